@@ -1,0 +1,50 @@
+"""Shared pieces of the benchmarks (pytest-benchmark).
+
+Run: ``python -m pytest bench --benchmark-columns=median,iqr,rounds --benchmark-group-by=group``.
+Each benchmark is parametrised over implementation (reference / fast paths / torch) and thread count, put in one
+group per op and shape, and records its achieved GB/s or GFLOP/s in ``extra_info`` from the median time.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fastattn
+
+THREADS = [1, 2]
+
+
+def torch_or_none():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def measure(benchmark, fn, *, group: str, threads: int, nbytes: float = 0.0, flops: float = 0.0,
+            rounds: int | None = None):
+    """Time ``fn`` on ``threads`` threads under ``group``; record GB/s (nbytes) or GFLOP/s (flops)."""
+    benchmark.group = group
+    benchmark.extra_info["threads"] = threads
+    torch = torch_or_none()
+    if torch is not None:
+        torch.set_num_threads(threads)
+    with fastattn.num_threads(threads):
+        fn()  # compile / warm up outside the timing
+        if rounds:
+            result = benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=1)
+        else:
+            result = benchmark(fn)
+    median = benchmark.stats.stats.median
+    if nbytes:
+        benchmark.extra_info["GB/s"] = round(nbytes / median / 1e9, 2)
+    if flops:
+        benchmark.extra_info["GFLOP/s"] = round(flops / median / 1e9, 2)
+    benchmark.extra_info["median_us"] = round(median * 1e6, 2)
+    return result
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)

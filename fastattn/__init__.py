@@ -1,0 +1,36 @@
+"""fastattn: CPU kernels for the non-GEMM operators of LLM inference, with ggml's semantics.
+
+Each op exists twice with the same name and signature: here (Numba ``prange`` kernels) and in
+``fastattn.reference`` (plain NumPy, float64, the definition). Importing this package is cheap: Numba is loaded
+on first use of a fast op, and ``import fastattn.reference`` never loads it.
+"""
+from __future__ import annotations
+
+import importlib
+
+from ._modes import ROPE_IMROPE, ROPE_MROPE, ROPE_NEOX, ROPE_NORMAL, ROPE_VISION, RopeMode
+from ._threads import get_num_threads, num_threads, set_num_threads
+
+__version__ = "0.1.0"
+
+# name -> module holding the fast implementation (imported on first access, see __getattr__).
+_FAST_OPS = {
+}
+
+__all__ = [
+    "ROPE_IMROPE", "ROPE_MROPE", "ROPE_NEOX", "ROPE_NORMAL", "ROPE_VISION", "RopeMode",
+    "get_num_threads", "num_threads", "set_num_threads", *_FAST_OPS,
+]
+
+
+def __getattr__(name: str):
+    module = _FAST_OPS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fastattn' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

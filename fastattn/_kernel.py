@@ -1,0 +1,204 @@
+"""Kernel plumbing shared by every fast path: compile flags, dtype conversion, a vectorisable exp.
+
+Numba's CPU target cannot type float16 (or bfloat16) at all, so half-precision arrays travel into kernels as
+16-bit integer views and the *integer type names the format*:
+
+    float16  -> ``uint16`` view     widened with LLVM ``fpext half`` (compiles to ``vcvtph2ps``)
+    bfloat16 -> ``int16`` view      widened by a 16-bit shift and a bitcast
+    float32  -> itself
+
+``to_f32(v)`` widens one element of any of those; ``from_f32(v, arr)`` narrows a float32 to ``arr``'s element
+type (round to nearest even, bit-exact with NumPy's ``astype``). Both resolve at compile time, so a kernel written
+once serves every format and the contiguous float32 case still vectorises.
+
+``FASTMATH`` is ``fastmath=True`` minus ``nnan``/``ninf``: those two let LLVM assume no ``-inf``, which deletes
+the ``== -inf`` guards of masked softmax (MEASURED.md: 5 wrong results in 13 checks). The set kept still
+reassociates reductions and contracts FMAs.
+"""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core.errors import TypingError
+from numba.extending import intrinsic, overload
+
+FASTMATH = frozenset({"contract", "arcp", "reassoc", "nsz", "afn"})
+
+
+#: The options of every kernel: cached, GIL released, safe fastmath, no zero-division checks.
+KERNEL_OPTIONS = dict(cache=True, nogil=True, fastmath=set(FASTMATH), error_model="numpy")
+
+
+def kernel(fn=None, *, parallel: bool = False):
+    """``numba.njit`` with ``KERNEL_OPTIONS``; ``parallel=True`` for the ``prange`` drivers."""
+    opts = dict(KERNEL_OPTIONS, parallel=parallel)
+    if fn is None:
+        return lambda f: numba.njit(**opts)(f)
+    return numba.njit(**opts)(fn)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Python side: how an array of a given dtype is handed to a kernel.
+try:  # bfloat16 is optional
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - exercised only without ml_dtypes
+    BFLOAT16 = None
+
+FLOAT32 = np.dtype(np.float32)
+FLOAT16 = np.dtype(np.float16)
+_KERNEL_VIEW = {FLOAT16: np.dtype(np.uint16), FLOAT32: FLOAT32}
+if BFLOAT16 is not None:
+    _KERNEL_VIEW[BFLOAT16] = np.dtype(np.int16)
+
+
+def kernel_view(a: np.ndarray) -> np.ndarray:
+    """The view of ``a`` a kernel can type: float32 as is, float16 as uint16 bits, bfloat16 as int16 bits."""
+    view = _KERNEL_VIEW[a.dtype]
+    return a if view == a.dtype else a.view(view)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel side: conversions.
+@intrinsic
+def _f16_bits_to_f32(typingctx, bits):
+    if not (isinstance(bits, types.Integer) and bits.bitwidth == 16):
+        raise TypingError("expected 16-bit integer bits")
+
+    def codegen(context, builder, signature, args):
+        half = builder.bitcast(args[0], ir.HalfType())
+        return builder.fpext(half, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def _f32_to_f16_bits(typingctx, value):
+    if value != types.float32:
+        raise TypingError("expected float32")
+
+    def codegen(context, builder, signature, args):
+        half = builder.fptrunc(args[0], ir.HalfType())
+        return builder.bitcast(half, ir.IntType(16))
+
+    return types.uint16(value), codegen
+
+
+@intrinsic
+def _bf16_bits_to_f32(typingctx, bits):
+    if not (isinstance(bits, types.Integer) and bits.bitwidth == 16):
+        raise TypingError("expected 16-bit integer bits")
+
+    def codegen(context, builder, signature, args):
+        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def _f32_to_bf16_bits(typingctx, value):
+    """Round to nearest even on the upper 16 bits; NaN stays a (quiet) NaN."""
+    if value != types.float32:
+        raise TypingError("expected float32")
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        bits = builder.bitcast(args[0], i32)
+        lsb = builder.and_(builder.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+        rounded = builder.add(bits, builder.add(lsb, ir.Constant(i32, 0x7FFF)))
+        quiet_nan = builder.or_(bits, ir.Constant(i32, 0x400000))
+        is_nan = builder.fcmp_unordered("uno", args[0], args[0])
+        chosen = builder.select(is_nan, quiet_nan, rounded)
+        return builder.trunc(builder.lshr(chosen, ir.Constant(i32, 16)), ir.IntType(16))
+
+    return types.int16(value), codegen
+
+
+@intrinsic
+def _pow2i(typingctx, n):
+    """2**n as float32 for integer n in [-126, 127], built from the exponent bits."""
+    if not isinstance(n, types.Integer):
+        raise TypingError("expected an integer")
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        v = builder.trunc(args[0], i32) if n.bitwidth > 32 else args[0]
+        biased = builder.add(v, ir.Constant(i32, 127))
+        return builder.bitcast(builder.shl(biased, ir.Constant(i32, 23)), ir.FloatType())
+
+    return types.float32(n), codegen
+
+
+def to_f32(v):
+    """Widen one element (float32, float16 bits as uint16, bfloat16 bits as int16) to float32. Kernel-only."""
+    raise NotImplementedError
+
+
+def from_f32(v, like):
+    """Narrow float32 ``v`` to the element type of array ``like`` (round to nearest even). Kernel-only."""
+    raise NotImplementedError
+
+
+@overload(to_f32, inline="always")
+def _to_f32_impl(v):
+    if v == types.uint16:
+        return lambda v: _f16_bits_to_f32(v)
+    if v == types.int16:
+        return lambda v: _bf16_bits_to_f32(v)
+    if isinstance(v, types.Float):
+        return lambda v: np.float32(v)
+    raise TypingError(f"to_f32: unsupported element type {v}")
+
+
+@overload(from_f32, inline="always")
+def _from_f32_impl(v, like):
+    dtype = like.dtype
+    if dtype == types.uint16:
+        return lambda v, like: _f32_to_f16_bits(np.float32(v))
+    if dtype == types.int16:
+        return lambda v, like: _f32_to_bf16_bits(np.float32(v))
+    if dtype == types.float32:
+        return lambda v, like: np.float32(v)
+    if dtype == types.float64:
+        return lambda v, like: np.float64(v)
+    raise TypingError(f"from_f32: unsupported array type {like}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# exp: np.exp is a scalar libm call inside Numba here; this polynomial vectorises (~6x faster in loops).
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_MIN = np.float32(-87.33654)  # below this exp underflows to 0 in float32 (and -inf lands here)
+_EXP_MAX = np.float32(88.37626)  # largest x whose 2**n scale stays finite
+
+
+@kernel
+def fast_exp(x):
+    """float32 exp, relative error < 3e-7, exact 0 at -inf, +inf past overflow. Branch-free, vectorises."""
+    x = np.float32(x)
+    xc = min(max(x, _EXP_MIN), _EXP_MAX)
+    n = np.floor(xc * _LOG2E + np.float32(0.5))
+    r = xc - n * _LN2_HI
+    r = r - n * _LN2_LO
+    # Cephes expf minimax polynomial on [-ln2/2, ln2/2].
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    scale = _pow2i(np.int32(n))
+    y = p * scale
+    if x < _EXP_MIN:
+        y = np.float32(0.0)
+    if x > _EXP_MAX:
+        y = np.float32(np.inf)
+    return y

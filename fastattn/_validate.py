@@ -1,0 +1,95 @@
+"""Argument checks shared by the reference and the fast paths (NumPy only, no Numba).
+
+Every check raises ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape, value or range) with a
+message that names the argument and says what was expected. Ops run all their checks before they write anything,
+so a rejected call leaves its outputs untouched.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+try:
+    import ml_dtypes as _ml_dtypes
+
+    BFLOAT16: np.dtype | None = np.dtype(_ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - only without ml_dtypes
+    BFLOAT16 = None
+
+FLOAT32 = np.dtype(np.float32)
+FLOAT16 = np.dtype(np.float16)
+FLOAT64 = np.dtype(np.float64)
+#: float32, float16 and (when ml_dtypes is installed) bfloat16.
+STORAGE_FLOATS: tuple[np.dtype, ...] = (FLOAT32, FLOAT16) + ((BFLOAT16,) if BFLOAT16 is not None else ())
+INDEX_INTS = (np.dtype(np.int32), np.dtype(np.int64))
+
+
+def _names(dtypes: Iterable[np.dtype]) -> str:
+    return " or ".join(str(np.dtype(d)) for d in dtypes)
+
+
+def array(name: str, a, *, dtypes: Iterable[np.dtype], ndim: int | None = None, min_ndim: int | None = None
+          ) -> np.ndarray:
+    """``a`` must be an ndarray of one of ``dtypes`` with ``ndim`` (or at least ``min_ndim``) axes."""
+    dtypes = tuple(np.dtype(d) for d in dtypes)
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray of {_names(dtypes)}, got {type(a).__name__}")
+    if a.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {_names(dtypes)}, got {a.dtype}")
+    if ndim is not None and a.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} axes, got shape {a.shape}")
+    if min_ndim is not None and a.ndim < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} axes, got shape {a.shape}")
+    return a
+
+
+def out_array(name: str, out, *, shape: tuple[int, ...], dtypes: Iterable[np.dtype]) -> np.ndarray:
+    """A caller's ``out=`` must be a writeable ndarray of exactly ``shape`` and one of ``dtypes``."""
+    array(name, out, dtypes=dtypes)
+    if out.shape != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {out.shape}")
+    if not out.flags.writeable:
+        raise ValueError(f"{name} must be writeable")
+    return out
+
+
+def real(name: str, value, *, minimum: float | None = None, maximum: float | None = None) -> float:
+    """A finite real scalar (Python or NumPy), optionally bounded; returned as a Python float."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not np.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    return value
+
+
+def integer(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """An integer scalar (Python or NumPy, not bool), optionally bounded; returned as a Python int."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    return value
+
+
+def may_share_write(name: str, out: np.ndarray, *inputs: tuple[str, np.ndarray]) -> None:
+    """Refuse an ``out`` that overlaps an input without being exactly that input (a partial alias)."""
+    for input_name, a in inputs:
+        if a is None or out is a:
+            continue
+        if np.may_share_memory(out, a) and not _same_view(out, a):
+            raise ValueError(f"{name} overlaps {input_name} without being the same view; pass {input_name} "
+                             f"itself for in-place use or a separate array")
+
+
+def _same_view(a: np.ndarray, b: np.ndarray) -> bool:
+    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+            and a.shape == b.shape and a.strides == b.strides and a.dtype.itemsize == b.dtype.itemsize)

@@ -1,0 +1,8 @@
+"""fastattn.reference: the definition of every op in plain NumPy, computed in float64.
+
+Same names and signatures as ``fastattn``; results are rounded once at the end to the dtype the fast path
+returns (pass a float64 ``out=`` to get the unrounded values). Never imports Numba.
+"""
+from fastattn._modes import ROPE_IMROPE, ROPE_MROPE, ROPE_NEOX, ROPE_NORMAL, ROPE_VISION, RopeMode
+
+__all__ = ["ROPE_IMROPE", "ROPE_MROPE", "ROPE_NEOX", "ROPE_NORMAL", "ROPE_VISION", "RopeMode"]

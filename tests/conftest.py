@@ -1,0 +1,1 @@
+import strategies  # noqa: F401  (registers and loads the hypothesis profile)

@@ -1,0 +1,116 @@
+"""Hypothesis strategies shared by every test module, and the two profiles.
+
+Profiles: ``ci`` (default: bounded, derandomised, the whole suite well under 10 minutes on 2 cores) and
+``fuzz`` (many more examples, random seeds), chosen with ``FASTATTN_HYPOTHESIS=fuzz``.
+
+Arrays are drawn as *views*: a parent buffer larger than the array (padding on every axis, optional step 2,
+optional permuted memory order) filled with random values, and the view the op sees. ``StridedView`` keeps a
+copy of the parent so a test can check byte for byte that nothing outside the view changed (ggml's sentinels).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+from fastattn._validate import BFLOAT16, FLOAT16, FLOAT32, STORAGE_FLOATS
+
+settings.register_profile(
+    "ci", max_examples=20, derandomize=True, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
+settings.register_profile(
+    "fuzz", max_examples=400, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
+settings.load_profile(os.environ.get("FASTATTN_HYPOTHESIS", "ci"))
+
+#: Storage dtypes of half-precision-capable inputs (bfloat16 only with ml_dtypes).
+float_dtypes = st.sampled_from(STORAGE_FLOATS)
+f32_or_f16 = st.sampled_from((FLOAT32, FLOAT16))
+thread_counts = st.sampled_from((1, 2))
+seeds = st.integers(0, 2**32 - 1)
+#: eps as the SPEC asks: 0 to 10, with the usual model values likely.
+eps_values = st.one_of(st.sampled_from((0.0, 1e-6, 1e-5)), st.floats(0.0, 10.0, allow_nan=False))
+
+
+def dims(lo: int = 1, hi: int = 64) -> st.SearchStrategy[int]:
+    """A size that is often 1, odd, or at the bounds."""
+    return st.one_of(st.sampled_from(sorted({lo, min(lo + 1, hi), hi})), st.integers(lo, hi))
+
+
+def fill(rng: np.random.Generator, shape, dtype, kind: str = "normal", scale: float = 1.0) -> np.ndarray:
+    """Random values of ``dtype``: ``normal`` (N(0, scale)), ``mixed`` (normal times 10**U(-4, 4))."""
+    values = rng.standard_normal(shape) * scale
+    if kind == "mixed":
+        values = values * 10.0 ** rng.uniform(-4, 4, shape)
+    return values.astype(dtype)
+
+
+@dataclass
+class StridedView:
+    """An array that is a view into a larger parent buffer, and a snapshot of that parent."""
+
+    array: np.ndarray
+    parent: np.ndarray
+    inside: np.ndarray  # bool mask over parent: True where the view's elements live
+    snapshot: np.ndarray = field(repr=False)
+
+    def assert_outside_unchanged(self) -> None:
+        """Every parent element outside the view is byte-identical to before."""
+        now = self.parent.view(np.uint8).reshape(self.parent.shape + (-1,))
+        then = self.snapshot.view(np.uint8).reshape(self.snapshot.shape + (-1,))
+        changed = np.any(now != then, axis=-1) & ~self.inside
+        assert not changed.any(), f"{int(changed.sum())} element(s) outside the view were written"
+
+    def assert_all_unchanged(self) -> None:
+        assert self.parent.tobytes() == self.snapshot.tobytes(), "the buffer was written"
+
+
+@st.composite
+def strided(draw, shape, dtype, *, kind: str = "normal", scale: float = 1.0, contiguous_ok: bool = True,
+            values: np.ndarray | None = None) -> StridedView:
+    """A ``StridedView`` of ``shape``/``dtype``: C-contiguous, padded, stepped or permuted (all drawn)."""
+    shape = tuple(int(s) for s in shape)
+    layout = draw(st.sampled_from(("contiguous", "padded", "stepped", "permuted")
+                                  if contiguous_ok else ("padded", "stepped", "permuted")))
+    ndim = len(shape)
+    lo = [0] * ndim
+    hi = [0] * ndim
+    step = [1] * ndim
+    order = list(range(ndim))
+    if layout != "contiguous":
+        lo = [draw(st.sampled_from((0, 1, 3))) for _ in shape]
+        hi = [draw(st.sampled_from((0, 1, 2))) for _ in shape]
+        if ndim:
+            hi[-1] = max(hi[-1], 1)  # always some guard on the fast axis
+    if layout == "stepped" and ndim:
+        step = [draw(st.sampled_from((1, 2))) for _ in shape]
+    if layout == "permuted" and ndim > 1:
+        order = draw(st.permutations(range(ndim)))
+    parent_shape = [s * k + a + b for s, k, a, b in zip(shape, step, lo, hi)]
+    rng = np.random.default_rng(draw(seeds))
+    memory = fill(rng, [parent_shape[a] for a in order], dtype, kind, scale)
+    parent = memory.transpose(np.argsort(order))  # logical axes; memory order follows `order`
+    index = tuple(slice(a, a + s * k, k) for s, k, a in zip(shape, step, lo))
+    view = parent[index]
+    if values is not None:
+        view[...] = values
+    inside = np.zeros(parent.shape, bool)
+    inside[index] = True
+    return StridedView(view, parent, inside, parent.copy())
+
+
+def index_sets(n_rows: int, count: int, *, unique: bool = False):
+    """``count`` row indices in [0, n_rows), duplicates allowed unless ``unique``."""
+    if unique:
+        return st.permutations(range(n_rows)).map(lambda p: np.array(p[:count], np.int64))
+    return st.lists(st.integers(0, n_rows - 1), min_size=count, max_size=count).map(
+        lambda xs: np.array(xs, np.int64))
+
+
+def has_bf16() -> bool:
+    return BFLOAT16 is not None

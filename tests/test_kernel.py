@@ -1,0 +1,149 @@
+"""The shared kernel plumbing: half-precision conversions, the polynomial exp, compile flags."""
+import re
+import subprocess
+import sys
+
+import numba
+import numpy as np
+import pytest
+
+from fastattn._kernel import FASTMATH, KERNEL_OPTIONS, fast_exp, from_f32, kernel, kernel_view, to_f32
+from fastattn._validate import BFLOAT16
+
+ALL_BITS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+
+
+@kernel
+def _widen(bits, out):
+    for i in range(bits.size):
+        out[i] = to_f32(bits[i])
+
+
+@kernel
+def _narrow(values, out):
+    for i in range(values.size):
+        out[i] = from_f32(values[i], out)
+
+
+@kernel
+def _exp_all(x, out):
+    for i in range(x.size):
+        out[i] = fast_exp(x[i])
+
+
+def _same_floats(a, b):
+    return np.array_equal(np.isnan(a), np.isnan(b)) and np.array_equal(a[~np.isnan(a)].view(np.uint32),
+                                                                     b[~np.isnan(b)].view(np.uint32))
+
+
+def test_float16_widening_is_exact_on_all_65536_patterns():
+    out = np.empty(ALL_BITS.size, np.float32)
+    _widen(ALL_BITS, out)
+    assert _same_floats(out, ALL_BITS.view(np.float16).astype(np.float32))
+
+
+@pytest.mark.skipif(BFLOAT16 is None, reason="ml_dtypes not installed")
+def test_bfloat16_widening_is_exact_on_all_65536_patterns():
+    out = np.empty(ALL_BITS.size, np.float32)
+    _widen(ALL_BITS.view(np.int16), out)
+    assert _same_floats(out, ALL_BITS.view(BFLOAT16).astype(np.float32))
+
+
+def _hard_float32_values():
+    rng = np.random.default_rng(7)
+    mixed = rng.standard_normal(200_000) * 10.0 ** rng.uniform(-10, 6, 200_000)
+    # every float16 value and the midpoints between neighbours: the ties that test round-to-nearest-even
+    halves = ALL_BITS.view(np.float16).astype(np.float32)
+    halves = halves[np.isfinite(halves)]
+    halves.sort()
+    mids = (halves[:-1].astype(np.float64) + halves[1:]) / 2
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65520, 65519.99, 6e-8, 3e-8, 1e-9])
+    return np.concatenate([mixed, halves, mids, special]).astype(np.float32)
+
+
+def test_float16_narrowing_rounds_to_nearest_even_like_numpy():
+    values = _hard_float32_values()
+    out = np.empty(values.size, np.uint16)
+    _narrow(values, out)
+    with np.errstate(over="ignore"):
+        expected = values.astype(np.float16).view(np.uint16)
+    nan = np.isnan(values)
+    assert np.array_equal(out[~nan], expected[~nan])
+    assert np.isnan(out[nan].view(np.float16)).all()
+
+
+@pytest.mark.skipif(BFLOAT16 is None, reason="ml_dtypes not installed")
+def test_bfloat16_narrowing_rounds_to_nearest_even_like_ml_dtypes():
+    values = _hard_float32_values()
+    out = np.empty(values.size, np.int16)
+    _narrow(values, out)
+    expected = values.astype(BFLOAT16).view(np.int16)
+    nan = np.isnan(values)
+    assert np.array_equal(out[~nan], expected[~nan])
+    assert np.isnan(out[nan].view(BFLOAT16).astype(np.float32)).all()
+
+
+def test_kernel_view_maps_dtypes_to_kernel_types():
+    assert kernel_view(np.zeros(3, np.float16)).dtype == np.uint16
+    assert kernel_view(np.zeros(3, np.float32)).dtype == np.float32
+    if BFLOAT16 is not None:
+        assert kernel_view(np.zeros(3, BFLOAT16)).dtype == np.int16
+
+
+def test_fast_exp_relative_error_and_limits():
+    x = np.linspace(-87.0, 88.0, 1_000_001, dtype=np.float32)
+    out = np.empty_like(x)
+    _exp_all(x, out)
+    exact = np.exp(x.astype(np.float64))
+    rel = np.abs(out - exact) / exact
+    assert rel.max() < 3e-7
+    special = np.array([-np.inf, -1e4, -200.0, 0.0, 1e4, np.inf], np.float32)
+    out = np.empty_like(special)
+    _exp_all(special, out)
+    assert out.tolist() == [0.0, 0.0, 0.0, 1.0, np.inf, np.inf]
+
+
+def test_fastmath_flags_exclude_nnan_and_ninf():
+    assert "nnan" not in FASTMATH and "ninf" not in FASTMATH and "fast" not in FASTMATH
+
+
+def test_masked_softmax_guard_survives_the_flags():
+    """The failure fastmath=True causes: an `== -inf` guard folded away, a fully masked row turning NaN."""
+
+    @kernel
+    def softmax_row(scores, out):
+        m = -np.inf
+        for s in scores:
+            m = max(m, s)
+        if m == -np.inf:
+            out[:] = 0.0
+            return
+        total = 0.0
+        for i in range(scores.size):
+            out[i] = fast_exp(scores[i] - m)
+            total += out[i]
+        for i in range(scores.size):
+            out[i] /= total
+
+    out = np.full(4, 7.0, np.float32)
+    softmax_row(np.full(4, -np.inf, np.float32), out)
+    assert out.tolist() == [0.0, 0.0, 0.0, 0.0]
+    softmax_row(np.array([-np.inf, 0.0, -np.inf, 0.0], np.float32), out)
+    assert out.tolist() == [0.0, 0.5, 0.0, 0.5]
+
+
+def test_contiguous_exp_loop_vectorises_to_ymm_fma():
+    def exp_loop(x, out):
+        for i in range(x.size):
+            out[i] = fast_exp(x[i])
+
+    uncached = numba.njit(**dict(KERNEL_OPTIONS, cache=False))(exp_loop)  # cached code cannot be inspected
+    x = np.zeros(64, np.float32)
+    uncached(x, np.empty_like(x))
+    asm = uncached.inspect_asm(uncached.signatures[0])
+    assert re.search(r"vfmadd\w+\s+.*ymm", asm), "the float32 exp loop did not vectorise to 8-wide FMAs"
+
+
+def test_import_reference_does_not_load_numba():
+    code = "import sys, fastattn.reference; assert 'numba' not in sys.modules, 'numba was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
