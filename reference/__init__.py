@@ -6,3 +6,6 @@ returns (pass a float64 ``out=`` to get the unrounded values). Never imports Num
 from fastattn._modes import ROPE_IMROPE, ROPE_MROPE, ROPE_NEOX, ROPE_NORMAL, ROPE_VISION, RopeMode
 
 __all__ = ["ROPE_IMROPE", "ROPE_MROPE", "ROPE_NEOX", "ROPE_NORMAL", "ROPE_VISION", "RopeMode"]
+from .attention import flash_attn_ext  # noqa: E402
+
+__all__ += ["flash_attn_ext"]

@@ -1,0 +1,88 @@
+"""Argument parsing for ``flash_attn_ext`` (shared by the reference and the fast paths)."""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from .. import _validate as v
+
+PATHS = ("auto", "one_chunk", "tiled", "split_kv")
+
+
+class AttentionArgs(NamedTuple):
+    q: np.ndarray  # (B, Hq, Nq, DK) float32
+    k: np.ndarray  # (Bk, Hkv, Nkv, DK) float32 / float16 / bfloat16
+    v: np.ndarray  # (Bk, Hkv, Nkv, DV)
+    mask: np.ndarray | None  # (Bm, Hm, Nm, Nkv) float32 / float16: always 4-D here (a view, no copy)
+    scale: float
+    max_bias: float
+    logit_softcap: float
+    sinks: np.ndarray | None  # (Hq,) float32
+    path: str
+    out: np.ndarray | None  # (B, Nq, Hq, DV)
+    out_shape: tuple[int, int, int, int]
+
+
+def parse(q, k, vv, mask, scale, max_bias, logit_softcap, sinks, path, out, *, out_dtypes) -> AttentionArgs:
+    v.array("q", q, dtypes=(v.FLOAT32,), ndim=4)
+    v.array("k", k, dtypes=v.STORAGE_FLOATS, ndim=4)
+    v.array("v", vv, dtypes=v.STORAGE_FLOATS, ndim=4)
+    B, Hq, Nq, DK = q.shape
+    Bk, Hkv, Nkv, DKk = k.shape
+    DV = vv.shape[3]
+    if min(q.shape) < 1 or min(k.shape) < 1 or min(vv.shape) < 1:
+        raise ValueError(f"q, k and v must have no empty axis, got q {q.shape}, k {k.shape}, v {vv.shape}")
+    if DKk != DK:
+        raise ValueError(f"k must have head size DK = q.shape[3] = {DK}, got k.shape {k.shape}")
+    if vv.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v must match k in (batch, heads, rows) {k.shape[:3]}, got v.shape {vv.shape}")
+    if Hq % Hkv:
+        raise ValueError(f"k heads ({Hkv}) must divide q heads ({Hq}) for GQA")
+    if B % Bk:
+        raise ValueError(f"k batch ({Bk}) must divide q batch ({B})")
+    if mask is not None:
+        v.array("mask", mask, dtypes=(v.FLOAT32, v.FLOAT16))
+        if not 2 <= mask.ndim <= 4:
+            raise ValueError(f"mask must have 2 to 4 axes (..., Nq, Nkv), got shape {mask.shape}")
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape) if mask.ndim < 4 else mask
+        Bm, Hm, Nm, Nkm = mask.shape
+        if Nkm != Nkv:
+            raise ValueError(f"mask must have exactly Nkv = {Nkv} columns, got shape {mask.shape}")
+        if Nm < Nq:
+            raise ValueError(f"mask must have at least Nq = {Nq} rows, got shape {mask.shape}")
+        if Bm < 1 or Hm < 1 or Hq % Hm or B % Bm:
+            raise ValueError(f"mask's head axis must divide Hq = {Hq} and its batch axis B = {B}, "
+                             f"got shape {mask.shape}")
+    scale = v.real("scale", scale)
+    max_bias = v.real("max_bias", max_bias, minimum=0.0)
+    logit_softcap = v.real("logit_softcap", logit_softcap, minimum=0.0)
+    if sinks is not None:
+        v.array("sinks", sinks, dtypes=(v.FLOAT32,), ndim=1)
+        if sinks.shape[0] != Hq:
+            raise ValueError(f"sinks must have shape (Hq,) = ({Hq},), got {sinks.shape}")
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    out_shape = (B, Nq, Hq, DV)
+    if out is not None:
+        v.out_array("out", out, shape=out_shape, dtypes=out_dtypes)
+        for name, a in (("q", q), ("k", k), ("v", vv), ("mask", mask), ("sinks", sinks)):
+            if a is not None and np.may_share_memory(out, a):
+                raise ValueError(f"out must not overlap {name}")
+    return AttentionArgs(q, k, vv, mask, scale, max_bias, logit_softcap, sinks, path, out, out_shape)
+
+
+def alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
+    """ggml's ALiBi slope per head (float64); all ones when ``max_bias`` is 0.
+
+    n_head_log2 is the largest power of two <= n_head; heads below it get m0**(h+1), the rest
+    m1**(2(h - n_head_log2) + 1), with m0 = 2**(-max_bias/n_head_log2) and m1 = 2**(-max_bias/2/n_head_log2).
+    """
+    if max_bias <= 0.0:
+        return np.ones(n_head)
+    n_head_log2 = 1 << int(math.floor(math.log2(n_head)))
+    m0 = 2.0 ** (-max_bias / n_head_log2)
+    m1 = 2.0 ** (-max_bias / 2.0 / n_head_log2)
+    h = np.arange(n_head)
+    return np.where(h < n_head_log2, m0 ** (h + 1), m1 ** (2 * (h - n_head_log2) + 1))

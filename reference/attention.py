@@ -1,0 +1,58 @@
+"""Attention with ggml's ``flash_attn_ext`` semantics, in float64 NumPy: the definition the fast paths match.
+
+For query batch b, query head h, query row i (GQA: KV head h // (Hq // Hkv); KV batch b // (B // Bk)):
+
+    s_j   = scale * q_i . k_j                        (j over the Nkv key rows)
+    s_j   = softcap * tanh(s_j / softcap)            when logit_softcap != 0
+    s_j  += slope_h * mask[b % Bm, h % Hm, i, j]     slope_h: ALiBi when max_bias > 0, else 1
+    M     = max(max_j s_j, sink_h)                   sink_h = -inf without sinks
+    out_i = sum_j exp(s_j - M) v_j / (sum_j exp(s_j - M) + exp(sink_h - M))
+
+A row whose scores are all -inf gives zeros. The result is laid out (B, Nq, Hq, DV), ggml's permuted output.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from fastattn._args import attention as args_attention
+
+FLOAT64 = np.dtype(np.float64)
+
+
+def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
+                   scale: float, max_bias: float = 0.0, logit_softcap: float = 0.0,
+                   sinks: np.ndarray | None = None, path: str = "auto", out: np.ndarray | None = None
+                   ) -> np.ndarray:
+    """softmax(scale·QKᵀ [softcap] + slope·mask, sinks) V, in float64; returns float32 (or fills ``out``).
+
+    q (B, Hq, Nq, DK) float32; k (Bk, Hkv, Nkv, DK), v (Bk, Hkv, Nkv, DV) float32/float16/bfloat16;
+    mask broadcastable as ggml (..., >= Nq rows, Nkv columns); sinks (Hq,) float32; ``path`` is accepted
+    for signature parity with ``fastattn.flash_attn_ext`` and ignored. ``out`` (B, Nq, Hq, DV) float32 or float64.
+    """
+    a = args_attention.parse(q, k, v, mask, scale, max_bias, logit_softcap, sinks, path, out,
+                             out_dtypes=(np.float32, np.float64))
+    B, Hq, Nq, _ = q.shape
+    Bk, Hkv = k.shape[:2]
+    slopes = args_attention.alibi_slopes(Hq, a.max_bias)
+    result = np.zeros(a.out_shape, FLOAT64)
+    for b in range(B):
+        for h in range(Hq):
+            kb, kh = b // (B // Bk), h // (Hq // Hkv)
+            keys = k[kb, kh].astype(FLOAT64)
+            values = v[kb, kh].astype(FLOAT64)
+            scores = a.scale * (q[b, h].astype(FLOAT64) @ keys.T)  # (Nq, Nkv)
+            if a.logit_softcap != 0.0:
+                scores = a.logit_softcap * np.tanh(scores / a.logit_softcap)
+            if a.mask is not None:
+                m = a.mask[b % a.mask.shape[0], h % a.mask.shape[1], :Nq].astype(FLOAT64)
+                scores = scores + slopes[h] * m
+            sink = -np.inf if a.sinks is None else float(a.sinks[h])
+            row_max = np.maximum(scores.max(axis=1), sink)
+            live = row_max > -np.inf  # fully masked rows stay zero
+            weights = np.exp(scores[live] - row_max[live, None])
+            denominator = weights.sum(axis=1) + np.exp(sink - row_max[live])
+            result[b, live, h] = (weights @ values) / denominator[:, None]
+    if out is None:
+        return result.astype(np.float32)
+    out[...] = result
+    return out
