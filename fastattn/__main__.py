@@ -1,6 +1,7 @@
 """``python -m fastattn``: check and time every op on a default Llama-like layer.
 
-    python -m fastattn [--threads 1,2] [--ops rms_norm_mul,set_rows] [--json FILE|-] [--budget SECONDS]
+    python -m fastattn [check] [--threads 1,2] [--ops rms_norm,set_rows] [--json FILE|-] [--budget SECONDS]
+    python -m fastattn bench [--plot FILE.png] [same options]   # also measures the roofs and compares
 """
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import argparse
 import json
 import sys
 
-from . import jobs
+from . import _threads, jobs
 
 
 def _thread_list(text: str) -> list[int]:
@@ -16,35 +17,55 @@ def _thread_list(text: str) -> list[int]:
         counts = [int(t) for t in text.split(",") if t]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError("thread counts must be >= 1")
+    if not counts or min(counts) < 1 or max(counts) > _threads.max_threads():
+        raise argparse.ArgumentTypeError(f"thread counts must be between 1 and {_threads.max_threads()}")
     return counts
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fastattn", description=__doc__.strip().splitlines()[0])
+    parser.add_argument("command", nargs="?", choices=("check", "bench"), default="check",
+                        help="check (default): fast vs reference and times; bench: also the roofs")
     parser.add_argument("--threads", type=_thread_list, default=None,
                         help="thread counts to run at, e.g. 1,2 (default: all of Numba's threads)")
-    parser.add_argument("--ops", default=None, help="comma-separated op groups (default: all)")
+    parser.add_argument("--ops", default=None, help="comma-separated op groups (default: all; see --list)")
     parser.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON ('-': stdout)")
     parser.add_argument("--budget", type=float, default=0.5, help="seconds of timing per measurement")
+    parser.add_argument("--plot", metavar="FILE.png", default=None, help="bench: draw rates against the roofs")
     parser.add_argument("--list", action="store_true", help="list the op groups and exit")
     args = parser.parse_args(argv)
 
     if args.list:
         print("\n".join(jobs.available_ops()))
         return 0
+    if args.plot and args.command != "bench":
+        parser.error("--plot belongs to the bench command: python -m fastattn bench --plot FILE.png")
     ops = args.ops.split(",") if args.ops else None
+    thread_counts = args.threads or [_threads.get_num_threads()]
     try:
-        results = jobs.run(ops, threads=args.threads or (None,), budget_s=args.budget,
-                           progress=jobs.progress_printer())
+        results = jobs.run(ops, threads=thread_counts, budget_s=args.budget, progress=jobs.progress_printer())
     except ValueError as error:
         parser.error(str(error))
     if sys.stderr.isatty():
         sys.stderr.write("\r\033[K")
     print(jobs.format_table(results))
+    report = {"results": jobs.as_dicts(results)}
+    if args.command == "bench":
+        from dataclasses import asdict
+
+        from .jobs import roofs as roof_meter
+        roofs = {}
+        for n in thread_counts:
+            roofs[n] = roof_meter.measure(n)
+            print(f"roofs, {n} thread(s): copy {roofs[n].copy_gbs:.1f} GB/s, read {roofs[n].read_gbs:.1f} GB/s, "
+                  f"FMA {roofs[n].fma_gflops:.0f} GFLOP/s")
+        report["roofs"] = [asdict(r) for r in roofs.values()]
+        if args.plot:
+            from .jobs.plot import plot
+            plot(results, roofs, args.plot)
+            print(f"plot written to {args.plot}")
     if args.json:
-        text = json.dumps(jobs.as_dicts(results), indent=2)
+        text = json.dumps(report, indent=2)
         if args.json == "-":
             print(text)
         else:

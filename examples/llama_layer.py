@@ -1,0 +1,158 @@
+"""One Llama-style decoder layer built from fastattn's kernels, run as a prefill followed by decode steps.
+
+    python examples/llama_layer.py [--prefill 512] [--decode 16] [--threads 2] [--small]
+
+The layer, per call on N new tokens at positions ``pos`` (the non-GEMM ops are fastattn's, the GEMMs NumPy's):
+
+    h    = rms_norm_mul(x, attn_norm)                   fused RMSNorm * weight
+    qkv  = h @ wqkv                                     one fused projection, (N, (Hq + 2 Hkv) * D)
+    q    = rope(qkv[:, :Hq*D] as (N, Hq, D))            in place on a strided view of qkv: no copy
+    kv_cache[pos] = rope(k), v                          rope_set_rows (fused) and set_rows, float16 cache
+    a    = flash_attn_ext(q, K[:n_kv], V[:n_kv], causal mask, path="auto")
+    s, h = add_rms_norm_mul(x, a @ wo, ffn_norm)        residual add fused in front of the FFN norm
+    out  = s + (silu(h @ w_gate) * (h @ w_up)) @ w_down   SwiGLU FFN
+
+It prints the time per token of prefill and decode and the share of each op. ``tests/test_llama_layer.py``
+checks it against Hugging Face's ``LlamaModel`` when transformers is installed.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+import fastattn
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    hidden: int = 4096
+    n_head: int = 32
+    n_head_kv: int = 8
+    head_dim: int = 128
+    ffn: int = 14336
+    eps: float = 1e-5
+    rope_base: float = 500000.0
+    max_ctx: int = 1024
+
+
+@dataclass
+class LayerWeights:
+    """float32 weights, laid out for ``x @ w`` (input features first)."""
+
+    attn_norm: np.ndarray  # (hidden,)
+    wqkv: np.ndarray  # (hidden, (n_head + 2 n_head_kv) head_dim): the q, k and v projections side by side
+    wo: np.ndarray  # (n_head head_dim, hidden)
+    ffn_norm: np.ndarray  # (hidden,)
+    w_gate: np.ndarray  # (hidden, ffn)
+    w_up: np.ndarray  # (hidden, ffn)
+    w_down: np.ndarray  # (ffn, hidden)
+
+    @classmethod
+    def random(cls, c: LlamaConfig, seed: int = 0) -> "LayerWeights":
+        rng = np.random.default_rng(seed)
+
+        def w(*shape):
+            return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
+
+        return cls(1 + 0.1 * w(c.hidden) * np.sqrt(c.hidden), w(c.hidden, (c.n_head + 2 * c.n_head_kv) * c.head_dim),
+                   w(c.n_head * c.head_dim, c.hidden), 1 + 0.1 * w(c.hidden) * np.sqrt(c.hidden),
+                   w(c.hidden, c.ffn), w(c.hidden, c.ffn), w(c.ffn, c.hidden))
+
+
+class LlamaLayer:
+    """A decoder layer with its own token-major KV cache of ``config.max_ctx`` rows."""
+
+    def __init__(self, weights: LayerWeights, config: LlamaConfig, kv_dtype=np.float16):
+        self.w, self.c = weights, config
+        shape = (config.max_ctx, config.n_head_kv, config.head_dim)
+        self.k_cache = np.zeros(shape, kv_dtype)
+        self.v_cache = np.zeros(shape, kv_dtype)
+        self.times: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def _timed(self, op: str):
+        t0 = time.perf_counter()
+        yield
+        self.times[op] += time.perf_counter() - t0
+
+    def forward(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """x (N, hidden) float32 for tokens at positions ``pos`` (N,) int32 -> (N, hidden) float32."""
+        c, w, t = self.c, self.w, self._timed
+        n, hq, hkv, d = x.shape[0], c.n_head, c.n_head_kv, c.head_dim
+        with t("rms_norm_mul"):
+            h = fastattn.rms_norm_mul(x, w.attn_norm, c.eps)
+        with t("matmul"):
+            qkv = h @ w.wqkv
+        q = qkv[:, :hq * d].reshape(n, hq, d)  # strided views of the fused projection: no copies
+        k = qkv[:, hq * d:(hq + hkv) * d].reshape(n, hkv, d)
+        v = qkv[:, (hq + hkv) * d:].reshape(n, hkv, d)
+        with t("rope"):
+            cache = fastattn.rope_cache(pos, n_dims=d, mode=fastattn.ROPE_NEOX, freq_base=c.rope_base)
+            fastattn.apply_rope_cache(q, cache, out=q)
+        with t("rope_set_rows"):
+            fastattn.rope_set_rows(self.k_cache, k, pos, pos, n_dims=d, mode=fastattn.ROPE_NEOX,
+                                   freq_base=c.rope_base)
+        with t("set_rows"):
+            fastattn.set_rows(self.v_cache, v, pos)
+        n_kv = int(pos.max()) + 1
+        with t("flash_attn_ext"):
+            keys = self.k_cache[:n_kv].transpose(1, 0, 2)[None]  # (1, Hkv, n_kv, D): a view of the cache
+            values = self.v_cache[:n_kv].transpose(1, 0, 2)[None]
+            mask = np.where(np.arange(n_kv)[None, :] <= pos[:, None], 0.0, -np.inf).astype(np.float16)
+            attn = fastattn.flash_attn_ext(q.transpose(1, 0, 2)[None], keys, values, mask,
+                                           scale=1.0 / np.sqrt(d))  # (1, N, Hq, D)
+        with t("matmul"):
+            projected = attn.reshape(n, hq * d) @ w.wo
+        with t("add_rms_norm_mul"):
+            s, h = fastattn.add_rms_norm_mul(x, projected, w.ffn_norm, c.eps)
+        with t("matmul"):
+            gate = h @ w.w_gate
+            up = h @ w.w_up
+        with t("silu"):
+            act = gate / (1.0 + np.exp(-gate)) * up
+        with t("matmul"):
+            return s + act @ w.w_down
+
+
+def _report(label: str, layer: LlamaLayer, seconds: float, tokens: int) -> None:
+    total = sum(layer.times.values())
+    print(f"{label}: {seconds * 1e3:.1f} ms for {tokens} token(s), {seconds / tokens * 1e3:.3f} ms/token")
+    for op, spent in sorted(layer.times.items(), key=lambda kv: -kv[1]):
+        print(f"    {op:<18} {spent * 1e3:9.3f} ms  {100 * spent / total:5.1f} %")
+    layer.times.clear()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prefill", type=int, default=512)
+    parser.add_argument("--decode", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=fastattn.get_num_threads())
+    parser.add_argument("--small", action="store_true", help="a 1/8-width layer (quick)")
+    args = parser.parse_args(argv)
+    config = LlamaConfig(hidden=512, n_head=8, n_head_kv=2, head_dim=64, ffn=1536) if args.small else LlamaConfig()
+    config = LlamaConfig(**{**config.__dict__, "max_ctx": args.prefill + args.decode})
+    fastattn.set_num_threads(args.threads)
+    layer = LlamaLayer(LayerWeights.random(config), config)
+    rng = np.random.default_rng(1)
+    warm = LlamaLayer(LayerWeights.random(config), config)  # compile every kernel before timing
+    warm.forward(rng.standard_normal((2, config.hidden)).astype(np.float32), np.arange(2, dtype=np.int32))
+    warm.forward(rng.standard_normal((1, config.hidden)).astype(np.float32), np.array([2], np.int32))
+
+    x = rng.standard_normal((args.prefill, config.hidden)).astype(np.float32)
+    t0 = time.perf_counter()
+    y = layer.forward(x, np.arange(args.prefill, dtype=np.int32))
+    _report(f"prefill ({args.threads} threads)", layer, time.perf_counter() - t0, args.prefill)
+    token = y[-1:]
+    t0 = time.perf_counter()
+    for step in range(args.decode):
+        token = layer.forward(token, np.array([args.prefill + step], np.int32))
+    _report(f"decode ({args.threads} threads)", layer, time.perf_counter() - t0, args.decode)
+
+
+if __name__ == "__main__":
+    main()

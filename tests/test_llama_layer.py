@@ -1,0 +1,64 @@
+"""examples/llama_layer.py against Hugging Face's LlamaModel (tiny random config, no download).
+
+Prefill 8 tokens, then decode 4 one at a time through the KV cache; every position's layer output must match
+the Hugging Face layer run on the whole sequence within float32 tolerance.
+"""
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "llama_layer.py"
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location("llama_layer", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _np(t):
+    return t.detach().to(torch.float32).numpy().copy()
+
+
+def test_llama_layer_matches_hugging_face_prefill_and_decode():
+    ex = _load_example()
+    hidden, heads, kv_heads, head_dim, ffn, theta = 64, 4, 2, 16, 96, 10000.0
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=1,
+                                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                                   rms_norm_eps=1e-5, rope_theta=theta, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaModel(cfg).eval()
+    layer = model.layers[0]
+    with torch.no_grad():  # random norm weights, so the fused multiply is exercised
+        layer.input_layernorm.weight.uniform_(0.5, 1.5)
+        layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+    captured = {}
+    layer.register_forward_hook(lambda mod, inp, out: captured.update(y=out[0] if isinstance(out, tuple) else out))
+    ids = torch.randint(0, cfg.vocab_size, (1, 12))
+    with torch.no_grad():
+        model(ids)
+        embeddings = _np(model.embed_tokens(ids)[0])
+    expected = _np(captured["y"][0])
+
+    attn = layer.self_attn
+    weights = ex.LayerWeights(
+        attn_norm=_np(layer.input_layernorm.weight),
+        wqkv=np.concatenate([_np(attn.q_proj.weight).T, _np(attn.k_proj.weight).T, _np(attn.v_proj.weight).T], 1),
+        wo=_np(attn.o_proj.weight).T, ffn_norm=_np(layer.post_attention_layernorm.weight),
+        w_gate=_np(layer.mlp.gate_proj.weight).T, w_up=_np(layer.mlp.up_proj.weight).T,
+        w_down=_np(layer.mlp.down_proj.weight).T)
+    config = ex.LlamaConfig(hidden=hidden, n_head=heads, n_head_kv=kv_heads, head_dim=head_dim, ffn=ffn,
+                            eps=1e-5, rope_base=theta, max_ctx=16)
+    ours = ex.LlamaLayer(weights, config, kv_dtype=np.float32)
+    got = [ours.forward(embeddings[:8], np.arange(8, dtype=np.int32))]
+    for p in range(8, 12):
+        got.append(ours.forward(embeddings[p:p + 1], np.array([p], np.int32)))
+    got = np.concatenate(got)
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5 * scale)
