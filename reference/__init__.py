@@ -6,3 +6,5 @@ returns (pass a float64 ``out=`` to get the unrounded values). Never imports Num
 from fastattn._modes import ROPE_IMROPE, ROPE_MROPE, ROPE_NEOX, ROPE_NORMAL, ROPE_VISION, RopeMode
 
 __all__ = ["ROPE_IMROPE", "ROPE_MROPE", "ROPE_NEOX", "ROPE_NORMAL", "ROPE_VISION", "RopeMode"]
+from .norm import add_rms_norm_mul, rms_norm, rms_norm_mul  # noqa: E402
+__all__ += ["add_rms_norm_mul", "rms_norm", "rms_norm_mul"]
