@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 # name -> module holding the fast implementation (imported on first access, see __getattr__).
 _FAST_OPS = {
     "rms_norm": ".norm", "rms_norm_mul": ".norm", "add_rms_norm_mul": ".norm",
+    "set_rows": ".set_rows",
 }
 
 __all__ = [

@@ -8,3 +8,5 @@ from fastattn._modes import ROPE_IMROPE, ROPE_MROPE, ROPE_NEOX, ROPE_NORMAL, ROP
 __all__ = ["ROPE_IMROPE", "ROPE_MROPE", "ROPE_NEOX", "ROPE_NORMAL", "ROPE_VISION", "RopeMode"]
 from .norm import add_rms_norm_mul, rms_norm, rms_norm_mul  # noqa: E402
 __all__ += ["add_rms_norm_mul", "rms_norm", "rms_norm_mul"]
+from .set_rows import set_rows  # noqa: E402
+__all__ += ["set_rows"]
