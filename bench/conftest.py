@@ -48,3 +48,25 @@ def measure(benchmark, fn, *, group: str, threads: int, nbytes: float = 0.0, flo
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+def copy_baseline(nbytes: float):
+    """A memory-bound baseline: ``fn()`` copying float32 arrays so that ``nbytes`` are read + written in total,
+    with a Numba prange copy on ``fastattn.get_num_threads()`` threads. Compare an op's GB/s with this one's."""
+    import numba
+    from numba import prange
+
+    from fastattn._kernel import kernel
+
+    @kernel(parallel=True)
+    def copy(src, dst):
+        for i in prange(src.shape[0]):
+            dst[i] = src[i]
+
+    src = np.ones((max(1, int(nbytes) // 8 // 1024), 1024), np.float32)
+    dst = np.empty_like(src)
+
+    def run():
+        numba.set_num_threads(fastattn.get_num_threads())
+        copy(src, dst)
+    return run
