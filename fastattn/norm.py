@@ -87,9 +87,17 @@ def _add_norm_parallel(x, residual, w, s, out, eps):
         _norm_row(s, w, out, eps, r)
 
 
-def _padded(w: np.ndarray, ndim: int) -> np.ndarray:
-    """``w`` with length-1 axes in front up to ``ndim`` axes, as a kernel view."""
-    return kernel_view(w)[(None,) * (ndim - w.ndim)]
+def _blocks(full: list[np.ndarray], w: np.ndarray | None) -> list[_layout.Block]:
+    """Kernel views, leading axes merged (``_layout.merge_leading``); the 2-D case directly, since at decode
+    size the generic path's Python costs a third of the call."""
+    full = [kernel_view(a) for a in full]
+    ndim = full[0].ndim
+    if w is None:
+        return [(full, [])] if ndim == 2 else _layout.merge_leading(full, [], ndim - 1)
+    w = kernel_view(w)
+    if ndim == 2 and w.ndim == 1:
+        return [(full, [w[None]])]
+    return _layout.merge_leading(full, [w[(None,) * (ndim - w.ndim)]], ndim - 1)
 
 
 def rms_norm(x: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
@@ -102,7 +110,7 @@ def rms_norm(x: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.nda
     if out is None:
         out = np.empty(x.shape, x.dtype)
     run = _norm_serial if _threads.threads_for(2 * x.nbytes) == 1 else _norm_parallel
-    for (xk, ok), _ in _layout.merge_leading([kernel_view(x), kernel_view(out)], [], x.ndim - 1):
+    for (xk, ok), _ in _blocks([x, out], None):
         run(xk, None, ok, eps)
     return out
 
@@ -110,16 +118,15 @@ def rms_norm(x: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.nda
 def rms_norm_mul(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
     """Fused ``rms_norm(x, eps) * w`` in one pass.
 
-    x: (..., D) float32, float16 or bfloat16, any strides. w: any float dtype, repeated along every axis to
+    x: (..., D) float32, float16 or bfloat16, any strides. w: any of those dtypes, repeated along every axis to
     ``x``'s shape (each axis length divides ``x``'s; a (D,) weight is the common case). out: like ``x`` (may be
     ``x``; may not overlap ``w``). Returns ``out``, in ``x``'s dtype.
     """
     x, w, eps, out = _args.rms_norm_mul(x, w, eps, out)
     if out is None:
         out = np.empty(x.shape, x.dtype)
-    run = _norm_serial if _threads.threads_for(2 * x.nbytes + w.nbytes) == 1 else _norm_parallel
-    blocks = _layout.merge_leading([kernel_view(x), kernel_view(out)], [_padded(w, x.ndim)], x.ndim - 1)
-    for (xk, ok), (wk,) in blocks:
+    run = _norm_serial if _threads.threads_for(2 * x.nbytes) == 1 else _norm_parallel
+    for (xk, ok), (wk,) in _blocks([x, out], w):
         run(xk, wk, ok, eps)
     return out
 
@@ -139,8 +146,7 @@ def add_rms_norm_mul(x: np.ndarray, residual: np.ndarray, w: np.ndarray, eps: fl
         sum_out = np.empty(x.shape, x.dtype)
     if out is None:
         out = np.empty(x.shape, x.dtype)
-    run = _add_norm_serial if _threads.threads_for(4 * x.nbytes + w.nbytes) == 1 else _add_norm_parallel
-    full = [kernel_view(a) for a in (x, residual, sum_out, out)]
-    for (xk, rk, sk, ok), (wk,) in _layout.merge_leading(full, [_padded(w, x.ndim)], x.ndim - 1):
+    run = _add_norm_serial if _threads.threads_for(4 * x.nbytes) == 1 else _add_norm_parallel
+    for (xk, rk, sk, ok), (wk,) in _blocks([x, residual, sum_out, out], w):
         run(xk, rk, wk, sk, ok, eps)
     return sum_out, out

@@ -31,9 +31,9 @@ def eps_value(eps) -> float:
 
 def weight(w, x: np.ndarray) -> np.ndarray:
     """``w`` repeats to ``x``'s shape: at most ``x.ndim`` axes, each length >= 1 and dividing ``x``'s."""
+    if isinstance(w, np.ndarray) and w.dtype in _FLOATS and w.ndim == 1 and w.shape[0] == x.shape[-1]:
+        return w  # the common (D,) weight
     x_array(w, "w")
-    if w.shape == x.shape[x.ndim - w.ndim:]:
-        return w
     if w.ndim > x.ndim or any(n == 0 or m % n for n, m in zip(reversed(w.shape), reversed(x.shape))):
         raise ValueError(f"w must repeat to x's shape {x.shape} (at most {x.ndim} axes, each length dividing "
                          f"x's, aligned from the right), got shape {w.shape}")
