@@ -181,11 +181,12 @@ def test_zero_rows_and_all_zero_rows():
 
 def _bad_calls():
     """(description, call(module, x, residual, w, out) -> None, exception, message pattern)."""
-    f16_x = lambda m, x, r, w, o: m.rms_norm_mul(x.astype(np.float64), w, 1e-5, out=o)
     return [
-        ("x dtype", f16_x, TypeError, "x must have dtype"),
+        ("x dtype", lambda m, x, r, w, o: m.rms_norm_mul(x.astype(np.float64), w, 1e-5, out=o), TypeError,
+         "x must have dtype"),
         ("x not array", lambda m, x, r, w, o: m.rms_norm(x.tolist(), 1e-5, out=o), TypeError, "x must be"),
-        ("x 0-d", lambda m, x, r, w, o: m.rms_norm(np.array(1.0, np.float32), 1e-5), ValueError, "x must have at least"),
+        ("x 0-d", lambda m, x, r, w, o: m.rms_norm(np.array(1.0, np.float32), 1e-5), ValueError,
+         "x must have at least"),
         ("eps negative", lambda m, x, r, w, o: m.rms_norm(x, -1e-5, out=o), ValueError, "eps must be >= 0"),
         ("eps nan", lambda m, x, r, w, o: m.rms_norm_mul(x, w, float("nan"), out=o), ValueError, "eps must be finite"),
         ("eps str", lambda m, x, r, w, o: m.rms_norm_mul(x, w, "1e-5", out=o), TypeError, "eps must be a real"),
