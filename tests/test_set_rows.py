@@ -1,4 +1,8 @@
 """SET_ROWS: fast == reference bit for bit on every dtype, layout, index broadcast and thread count."""
+import re
+import sys
+
+import numba
 import numpy as np
 import pytest
 from hypothesis import given
@@ -7,6 +11,7 @@ from hypothesis import strategies as st
 import fastattn
 import fastattn.reference as ref
 from fastattn import _threads
+from fastattn._kernel import KERNEL_OPTIONS
 from fastattn._validate import FLOAT16, FLOAT32, INDEX_INTS, STORAGE_FLOATS
 from strategies import dims, fill, float_dtypes, index_sets, seeds, strided, thread_counts
 
@@ -163,3 +168,12 @@ def test_read_only_dst_is_refused():
     for module in (fastattn, ref):
         with pytest.raises(ValueError, match="dst must be writeable"):
             module.set_rows(dst, np.zeros((1, 8), np.float32), np.zeros(1, np.int64))
+
+
+def test_contiguous_float32_to_float16_rows_vectorise():
+    """The 0.1 ms target needs 8-wide F16C conversion (``vcvtps2ph ... ymm``; checked on an uncached copy)."""
+    set_rows_module = sys.modules[fastattn.set_rows.__module__]
+    uncached = numba.njit(**dict(KERNEL_OPTIONS, cache=False))(set_rows_module._set_rows_serial.py_func)
+    uncached(np.zeros((1, 8, 64), np.uint16), np.zeros((1, 2, 64), np.float32), np.zeros((1, 2), np.int64))
+    asm = uncached.inspect_asm(uncached.signatures[0])
+    assert re.search(r"vcvtps2ph\s+.*ymm", asm), "the float32 -> float16 row copy did not vectorise"
