@@ -90,11 +90,11 @@ def set_rows(dst: np.ndarray, src: np.ndarray, idx: np.ndarray) -> np.ndarray:
     dst, src, idx = _args.set_rows(dst, src, idx)
     n_rows = dst.shape[-2]
     n_workers = _threads.threads_for(src.size * (src.itemsize + dst.itemsize))
-    full = [kernel_view(dst), kernel_view(src)]
+    dk, sk = kernel_view(dst), kernel_view(src)
     if dst.ndim == 2:  # the common case directly: at decode size the generic merge costs a fifth of the call
-        blocks = [([a[None] for a in full], [idx[None]])]
+        blocks = [((dk[None], sk[None]), (idx[None],))]
     else:
-        blocks = _layout.merge_leading(full, [idx[(None,) * (dst.ndim - 1 - idx.ndim)]], dst.ndim - 2)
+        blocks = _layout.merge_leading([dk, sk], [idx[(None,) * (dst.ndim - 1 - idx.ndim)]], dst.ndim - 2)
     if len(blocks) > 1:  # checked up front: the per-block kernel checks would come after earlier blocks' writes
         bad = _args.first_bad_index(idx, n_rows)
         if bad is not None:
