@@ -34,6 +34,8 @@ def _norm_row(x, w, out, eps, r):
     xr = x[r]
     yr = out[r]
     d = xr.shape[0]
+    if d == 0:  # nothing to write (and no 0 / 0)
+        return
     total = 0.0
     for j in range(d):
         v = np.float64(to_f32(xr[j]))

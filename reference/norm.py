@@ -1,7 +1,7 @@
 """RMSNorm, the definition: ``y = x / sqrt(mean(x**2, last axis) + eps)`` (times ``w``), in float64.
 
-``w`` repeats along every axis to ``x``'s shape (``np.tile``), as ggml's MUL repeats its second operand.
-Results are rounded once to ``x``'s dtype, or written unrounded into a float64 ``out=``.
+``w`` repeats along every axis to ``x``'s shape (index ``i`` reads ``w[i % len]``), as ggml's MUL repeats its
+second operand. Results are rounded once to ``x``'s dtype, or written unrounded into a float64 ``out=``.
 """
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ from fastattn._args import norm as _args
 
 
 def _normalise(x64: np.ndarray, eps: float) -> np.ndarray:
-    return x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    with np.errstate(invalid="ignore", divide="ignore"):  # a zero row with eps = 0 gives 0/0 = NaN, as in ggml
+        return x64 / np.sqrt(np.sum(x64 * x64, axis=-1, keepdims=True) / x64.shape[-1] + eps)
 
 
 def _tiled(w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    padded = w.reshape((1,) * (len(shape) - w.ndim) + w.shape)
-    return np.tile(padded.astype(np.float64), [n // m for n, m in zip(shape, padded.shape)])
+    """``w`` repeated to ``shape``: element ``(i, j, ..)`` is ``w[i % w_0, j % w_1, ..]`` (left-padded with 1s)."""
+    padded = w.reshape((1,) * (len(shape) - w.ndim) + w.shape).astype(np.float64)
+    return padded[np.ix_(*[np.arange(n) % m if n else np.arange(0) for n, m in zip(shape, padded.shape)])]
 
 
 def _store(values: np.ndarray, out: np.ndarray | None, dtype: np.dtype) -> np.ndarray:

@@ -168,12 +168,17 @@ def test_reference_float64_out_is_the_unrounded_value():
     assert np.array_equal(unrounded.astype(FLOAT16), ref.rms_norm_mul(x, w, 1e-5))
 
 
-def test_zero_rows_and_all_zero_rows():
+@pytest.mark.parametrize("module", [fastattn, ref], ids=["fast", "reference"])
+@pytest.mark.parametrize("shape, w_shape", [((0, 8), (8,)), ((2, 0), (0,)), ((2, 0), (1,)), ((0, 3, 4), (2, 1, 4))])
+def test_empty_arrays(module, shape, w_shape):
+    x = np.zeros(shape, np.float32)
     for op in OPS:
-        x = np.zeros((0, 8), np.float32)
-        result = call(op, fastattn, x, np.ones(8, np.float32), 1e-5, np.zeros_like(x))
+        result = call(op, module, x, np.ones(w_shape, np.float32), 1e-5, np.zeros_like(x))
         for r in result if op == "add_rms_norm_mul" else [result]:
-            assert r.shape == (0, 8)
+            assert r.shape == shape
+
+
+def test_all_zero_rows():
     zeros = np.zeros((2, 8), np.float32)
     assert np.array_equal(fastattn.rms_norm(zeros, 1e-5), zeros)
     assert np.isnan(fastattn.rms_norm(zeros, 0.0)).all() and np.isnan(ref.rms_norm(zeros, 0.0)).all()  # 0/0, as ggml

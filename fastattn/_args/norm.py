@@ -30,13 +30,13 @@ def eps_value(eps) -> float:
 
 
 def weight(w, x: np.ndarray) -> np.ndarray:
-    """``w`` repeats to ``x``'s shape: at most ``x.ndim`` axes, each length >= 1 and dividing ``x``'s."""
+    """``w`` repeats to ``x``'s shape: at most ``x.ndim`` axes, each length dividing ``x``'s (0 only against 0)."""
     if isinstance(w, np.ndarray) and w.dtype in _FLOATS and w.ndim == 1 and w.shape[0] == x.shape[-1]:
         return w  # the common (D,) weight
     x_array(w, "w")
-    if w.ndim > x.ndim or any(n == 0 or m % n for n, m in zip(reversed(w.shape), reversed(x.shape))):
+    if w.ndim > x.ndim or any(m % n if n else m for n, m in zip(reversed(w.shape), reversed(x.shape))):
         raise ValueError(f"w must repeat to x's shape {x.shape} (at most {x.ndim} axes, each length dividing "
-                         f"x's, aligned from the right), got shape {w.shape}")
+                         f"x's, aligned from the right; 0 only against 0), got shape {w.shape}")
     return w
 
 

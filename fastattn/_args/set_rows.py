@@ -35,7 +35,7 @@ def set_rows(dst, src, idx):
     i_shape = idx.shape
     if i_shape[-1] != s_shape[-2]:
         raise ValueError(f"idx must have src's row count {s_shape[-2]} as its last axis, got shape {i_shape}")
-    if len(i_shape) > 1 and any(n == 0 or m % n for n, m in zip(reversed(i_shape[:-1]), reversed(s_shape[:-2]))):
+    if len(i_shape) > 1 and any(m % n if n else m for n, m in zip(reversed(i_shape[:-1]), reversed(s_shape[:-2]))):
         raise ValueError(f"idx's leading axes {i_shape[:-1]} must each divide src's {s_shape[:-2]} "
                          "(aligned from the right): idx repeats over them")
     if np.may_share_memory(dst, src) or np.may_share_memory(dst, idx):
