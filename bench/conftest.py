@@ -48,3 +48,36 @@ def measure(benchmark, fn, *, group: str, threads: int, nbytes: float = 0.0, flo
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+def copy_baseline(nbytes: float):
+    """A memory-bound baseline: ``fn()`` copying float32 arrays so that ``nbytes`` are read + written in total.
+    Numba loops, by the ops' own rule: serial below 1 MiB, else prange on ``fastattn.get_num_threads()``
+    threads. Compare an op's GB/s with this one's."""
+    from fastattn import _threads
+
+    copy_serial, copy_parallel = _copy_kernels()
+    src = np.ones((max(1, int(nbytes) // 8 // 1024), 1024), np.float32)
+    dst = np.empty_like(src)
+
+    def run():
+        (copy_serial if _threads.threads_for(nbytes) == 1 else copy_parallel)(src, dst)
+    return run
+
+
+def _copy_kernels():
+    from numba import prange
+
+    from fastattn._kernel import kernel
+
+    @kernel
+    def copy_serial(src, dst):
+        for i in range(src.shape[0]):
+            dst[i] = src[i]
+
+    @kernel(parallel=True)
+    def copy_parallel(src, dst):
+        for i in prange(src.shape[0]):
+            dst[i] = src[i]
+
+    return copy_serial, copy_parallel

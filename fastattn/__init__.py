@@ -15,6 +15,8 @@ __version__ = "0.1.0"
 
 # name -> module holding the fast implementation (imported on first access, see __getattr__).
 _FAST_OPS = {
+    "rms_norm": ".norm", "rms_norm_mul": ".norm", "add_rms_norm_mul": ".norm",
+    "set_rows": ".rows",  # not .set_rows: a module named like the function would shadow it
 }
 
 __all__ = [

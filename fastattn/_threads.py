@@ -20,7 +20,12 @@ from . import _validate
 #: Below this many bytes read + written, an op runs serially on the calling thread.
 PARALLEL_MIN_BYTES = 1 << 20
 
-_local = threading.local()
+
+class _Local(threading.local):
+    n: int | None = None  # a class default: a missing attribute would cost a raised AttributeError (~1 us)
+
+
+_local = _Local()
 _default: int | None = None
 
 
@@ -39,7 +44,7 @@ def set_num_threads(n: int) -> None:
 
 def get_num_threads() -> int:
     """The thread count large ops use in the calling Python thread."""
-    override = getattr(_local, "n", None)
+    override = _local.n
     if override is not None:
         return override
     return _default if _default is not None else max_threads()
@@ -49,7 +54,7 @@ def get_num_threads() -> int:
 def num_threads(n: int) -> Iterator[int]:
     """``with num_threads(2): ...`` runs the block's ops on ``n`` threads (this Python thread only)."""
     n = _validate.integer("n", n, minimum=1, maximum=max_threads())
-    previous = getattr(_local, "n", None)
+    previous = _local.n
     _local.n = n
     try:
         yield n
@@ -59,8 +64,10 @@ def num_threads(n: int) -> Iterator[int]:
 
 def threads_for(nbytes: int) -> int:
     """How many threads an op moving ``nbytes`` should use; applies the count to Numba when > 1."""
+    if nbytes < PARALLEL_MIN_BYTES:  # tested first: the decode-sized calls it short-cuts are the hot ones
+        return 1
     n = get_num_threads()
-    if n == 1 or nbytes < PARALLEL_MIN_BYTES:
+    if n == 1:
         return 1
     import numba
 

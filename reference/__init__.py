@@ -5,7 +5,11 @@ returns (pass a float64 ``out=`` to get the unrounded values). Never imports Num
 """
 from fastattn._modes import ROPE_IMROPE, ROPE_MROPE, ROPE_NEOX, ROPE_NORMAL, ROPE_VISION, RopeMode
 
-__all__ = ["ROPE_IMROPE", "ROPE_MROPE", "ROPE_NEOX", "ROPE_NORMAL", "ROPE_VISION", "RopeMode"]
-from .attention import flash_attn_ext  # noqa: E402
+from .attention import flash_attn_ext
+from .norm import add_rms_norm_mul, rms_norm, rms_norm_mul
+from .rows import set_rows
 
-__all__ += ["flash_attn_ext"]
+__all__ = [
+    "ROPE_IMROPE", "ROPE_MROPE", "ROPE_NEOX", "ROPE_NORMAL", "ROPE_VISION", "RopeMode",
+    "add_rms_norm_mul", "flash_attn_ext", "rms_norm", "rms_norm_mul", "set_rows",
+]

@@ -1,0 +1,41 @@
+"""SET_ROWS into a float16 (4096, 1024) KV cache: 512 rows (prefill) and 1 row (decode) of float32.
+
+Fast vs reference vs the NumPy assignment with casting vs torch, beside a copy of the same bytes, at 1 and 2
+threads. ``extra_info``: GB/s (src read + cache rows written).
+"""
+import numpy as np
+import pytest
+
+import fastattn
+import fastattn.reference as ref
+from conftest import THREADS, copy_baseline, measure, torch_or_none
+
+CASES = {"set_rows 512 rows f32 -> f16 (4096, 1024)": 512, "set_rows 1 row f32 -> f16 (4096, 1024)": 1}
+IMPLS = ["copy", "fast", "reference", "numpy", "torch"]
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("group", list(CASES))
+def test_set_rows(benchmark, group, impl, threads):
+    rows = CASES[group]
+    rng = np.random.default_rng(0)
+    cache = np.zeros((4096, 1024), np.float16)
+    src = rng.standard_normal((rows, 1024)).astype(np.float32)
+    idx = np.sort(rng.permutation(4096)[:rows]).astype(np.int64)
+    nbytes = src.nbytes + rows * 1024 * 2
+    if impl == "copy":
+        fn = copy_baseline(nbytes)
+    elif impl in ("fast", "reference"):
+        module = fastattn if impl == "fast" else ref
+        fn = lambda: module.set_rows(cache, src, idx)  # noqa: E731
+    elif impl == "numpy":
+        def fn():
+            cache[idx] = src.astype(np.float16)
+    else:
+        torch = torch_or_none()
+        if torch is None:
+            pytest.skip("torch is not installed")
+        t_cache, t_src, t_idx = torch.from_numpy(cache), torch.from_numpy(src), torch.from_numpy(idx)
+        fn = lambda: t_cache.index_copy_(0, t_idx, t_src.to(torch.float16))  # noqa: E731
+    measure(benchmark, fn, group=group, threads=threads, nbytes=nbytes)

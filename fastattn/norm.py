@@ -1,0 +1,154 @@
+"""RMSNorm, fused RMSNorm * weight, and residual add + RMSNorm * weight: Numba kernels.
+
+Algorithm (per row of the last axis, length D), two passes over a row that stays in L1/L2:
+
+1. ``total = sum(float64(x_j)**2)``: every square of a float32 (or widened float16/bfloat16) value is exact in
+   float64, and the float64 accumulation is ggml's; LLVM vectorises it (``vcvtps2pd`` + 4-wide adds).
+2. ``scale = float32(1 / sqrt(total / D + eps))``; ``y_j = x_j * scale * w_j`` in float32, rounded once to the
+   output dtype (``from_f32``: round to nearest even).
+
+``add_rms_norm_mul`` first writes ``s_j = x_j + residual_j`` (rounded to x's dtype: for float16/bfloat16 the
+float32 sum of two half values rounds correctly, since 24 >= 2*11 + 2) and then normalises ``s`` as stored.
+
+Layout: the leading axes are merged into one (``_layout.merge_leading``, never a copy), so each kernel sees 2-D
+``(rows, D)`` arrays of any strides plus a 2-D weight ``(W, Dw)``: row ``r`` uses weight row ``r % W`` and column
+``j`` uses weight column ``j % Dw`` (ggml's repeat). Half-precision arrays enter as 16-bit integer views
+(``kernel_view``). Numba compiles a C-contiguous specialisation automatically, in which both passes vectorise.
+
+Threads: below ``PARALLEL_MIN_BYTES`` moved a call runs ``*_serial`` on the calling thread; above, ``*_parallel``
+spreads rows over threads with ``prange`` (rows are independent, so in-place use is safe).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from . import _layout, _threads
+from ._args import norm as _args
+from ._kernel import from_f32, kernel, kernel_view, to_f32
+
+
+@kernel
+def _norm_row(x, w, out, eps, r):
+    """``out[r] = x[r] / sqrt(mean(x[r]**2) + eps) * w[r % W]`` (no weight when ``w`` is None)."""
+    xr = x[r]
+    yr = out[r]
+    d = xr.shape[0]
+    if d == 0:  # nothing to write (and no 0 / 0)
+        return
+    total = 0.0
+    for j in range(d):
+        v = np.float64(to_f32(xr[j]))
+        total += v * v
+    scale = np.float32(1.0 / np.sqrt(total / d + eps))
+    if w is None:
+        for j in range(d):
+            yr[j] = from_f32(to_f32(xr[j]) * scale, yr)
+    else:
+        wr = w[r % w.shape[0]]
+        period = wr.shape[0]
+        for start in range(0, d, period):  # one block when w spans the row, the case that matters
+            xb = xr[start:start + period]
+            yb = yr[start:start + period]
+            for j in range(period):
+                yb[j] = from_f32(to_f32(xb[j]) * scale * to_f32(wr[j]), yb)
+
+
+@kernel
+def _add_row(x, residual, s, r):
+    xr = x[r]
+    rr = residual[r]
+    sr = s[r]
+    for j in range(xr.shape[0]):
+        sr[j] = from_f32(to_f32(xr[j]) + to_f32(rr[j]), sr)
+
+
+@kernel
+def _norm_serial(x, w, out, eps):
+    for r in range(x.shape[0]):
+        _norm_row(x, w, out, eps, r)
+
+
+@kernel(parallel=True)
+def _norm_parallel(x, w, out, eps):
+    for r in prange(x.shape[0]):
+        _norm_row(x, w, out, eps, r)
+
+
+@kernel
+def _add_norm_serial(x, residual, w, s, out, eps):
+    for r in range(x.shape[0]):
+        _add_row(x, residual, s, r)
+        _norm_row(s, w, out, eps, r)
+
+
+@kernel(parallel=True)
+def _add_norm_parallel(x, residual, w, s, out, eps):
+    for r in prange(x.shape[0]):
+        _add_row(x, residual, s, r)
+        _norm_row(s, w, out, eps, r)
+
+
+def _blocks(full: list[np.ndarray], w: np.ndarray | None) -> list[_layout.Block]:
+    """Kernel views of the operands, the leading axes merged into one (``_layout.merge_leading``)."""
+    full = [kernel_view(a) for a in full]
+    tiled = [] if w is None else [kernel_view(w)[(None,) * (full[0].ndim - w.ndim)]]
+    return _layout.merge_leading(full, tiled, full[0].ndim - 1)
+
+
+def rms_norm(x: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
+    """RMSNorm over the last axis: ``x / sqrt(mean(x**2) + eps)``.
+
+    x: (..., D) float32, float16 or bfloat16, any strides. out: like ``x`` (may be ``x`` itself, for in place).
+    Returns ``out``, in ``x``'s dtype.
+    """
+    x, eps, out = _args.rms_norm(x, eps, out)
+    if out is None:
+        out = np.empty(x.shape, x.dtype)
+    run = _norm_serial if _threads.threads_for(2 * x.nbytes) == 1 else _norm_parallel
+    if x.ndim == 2:  # the common case directly: at decode size the generic merge costs a fifth of the call
+        run(kernel_view(x), None, kernel_view(out), eps)
+        return out
+    for (xk, ok), _ in _blocks([x, out], None):
+        run(xk, None, ok, eps)
+    return out
+
+
+def rms_norm_mul(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
+    """Fused ``rms_norm(x, eps) * w`` in one pass.
+
+    x: (..., D) float32, float16 or bfloat16, any strides. w: any of those dtypes, repeated along every axis to
+    ``x``'s shape (each axis length divides ``x``'s; a (D,) weight is the common case). out: like ``x`` (may be
+    ``x``; may not overlap ``w``). Returns ``out``, in ``x``'s dtype.
+    """
+    x, w, eps, out = _args.rms_norm_mul(x, w, eps, out)
+    if out is None:
+        out = np.empty(x.shape, x.dtype)
+    run = _norm_serial if _threads.threads_for(2 * x.nbytes) == 1 else _norm_parallel
+    if x.ndim == 2 and w.ndim == 1:  # the common case directly: the generic merge costs a fifth of a decode call
+        run(kernel_view(x), kernel_view(w)[None], kernel_view(out), eps)
+        return out
+    for (xk, ok), (wk,) in _blocks([x, out], w):
+        run(xk, wk, ok, eps)
+    return out
+
+
+def add_rms_norm_mul(x: np.ndarray, residual: np.ndarray, w: np.ndarray, eps: float,
+                     out: np.ndarray | None = None, sum_out: np.ndarray | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Residual add fused in front of ``rms_norm_mul``: ``s = x + residual``, ``y = rms_norm(s, eps) * w``.
+
+    x, residual: (..., D), same shape and dtype (float32, float16 or bfloat16), any strides. ``s`` is rounded to
+    that dtype and ``y`` computed from ``s`` as stored. w: as in ``rms_norm_mul``. sum_out, out: like ``x``;
+    either may be ``x`` or ``residual`` (in place); if both are the same array it ends up holding ``y``.
+    Returns ``(s, y)``.
+    """
+    x, residual, w, eps, out, sum_out = _args.add_rms_norm_mul(x, residual, w, eps, out, sum_out)
+    if sum_out is None:
+        sum_out = np.empty(x.shape, x.dtype)
+    if out is None:
+        out = np.empty(x.shape, x.dtype)
+    run = _add_norm_serial if _threads.threads_for(4 * x.nbytes) == 1 else _add_norm_parallel
+    for (xk, rk, sk, ok), (wk,) in _blocks([x, residual, sum_out, out], w):
+        run(xk, rk, wk, sk, ok, eps)
+    return sum_out, out
