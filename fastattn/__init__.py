@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 
 # name -> module holding the fast implementation (imported on first access, see __getattr__).
 _FAST_OPS = {
+    "flash_attn_ext": ".attention",
 }
 
 __all__ = [
