@@ -90,19 +90,21 @@ def element_strides(a: np.ndarray) -> np.ndarray:
 _compiled: dict = {}
 
 
-def call_any_layout(dispatcher, *args):
-    """Call ``dispatcher``'s specialisation for arrays of any layout ('A'), compiling it on first use.
+def call_any_layout(dispatcher, strided, *args):
+    """Call ``dispatcher`` with the arrays at positions ``strided`` typed as any layout ('A').
 
-    The kernels read arrays flat (``flat4``), so contiguous and strided arrays need the same code: one
+    The kernels read those arrays flat (``flat4``), so contiguous and strided ones need the same code: one
     specialisation per dtype combination instead of one per combination of layouts (each costs seconds to
-    compile). The compiled entry point is called directly (it accepts C arrays for 'A' parameters), skipping the
-    dispatcher's search for a conversion from C to 'A' on every call.
+    compile). The other arrays (scratch the path allocates, slopes, sinks) stay C-contiguous so that loops over
+    them vectorise. The compiled entry point is called directly (it accepts C arrays for 'A' parameters),
+    skipping the dispatcher's search for a conversion on every call.
     """
-    key = (dispatcher,) + tuple((a.dtype, a.ndim, a.flags.writeable) if isinstance(a, np.ndarray) else type(a)
-                                for a in args)
+    key = (dispatcher,) + tuple((a.dtype, a.ndim, a.flags.writeable, a.flags.c_contiguous)
+                                if isinstance(a, np.ndarray) else type(a) for a in args)
     entry = _compiled.get(key)
     if entry is None:
-        signature = tuple(t.copy(layout="A") if isinstance(t, types.Array) else t for t in map(typeof, args))
+        signature = tuple(t.copy(layout="A") if i in strided and isinstance(t, types.Array) else t
+                          for i, t in enumerate(map(typeof, args)))
         dispatcher.compile(signature)
         entry = _compiled[key] = dispatcher.overloads[signature].entry_point
     return entry(*args)

@@ -22,6 +22,10 @@ from ._kernel import kernel
 ROW_CHUNK = 4
 
 
+#: Positions of the driver's arguments read through flat4 (q, k, v, mask, out): compiled for any layout.
+STRIDED = (0, 1, 2, 3, 8)
+
+
 @kernel
 def _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, u):
     B, Hq, Nq, DK = q.shape
@@ -82,9 +86,10 @@ def run_one_chunk(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     DV = v.shape[3]
     if sinks is None:
         sinks = np.full(Hq, -np.inf, np.float32)
+    sinks = np.ascontiguousarray(sinks)  # Hq floats: contiguous keeps one specialisation
     # Each query row streams the whole K and V of its KV head (from cache after the first rows).
     nbytes = B * Nq * Hkv * Nkv * (DK * k.itemsize + DV * v.itemsize)
     driver = _parallel if _threads.threads_for(nbytes) > 1 else _serial
-    call_any_layout(driver, element_strides(q), element_strides(k), element_strides(v),
+    call_any_layout(driver, STRIDED, element_strides(q), element_strides(k), element_strides(v),
                     None if mask is None else element_strides(mask), slopes, sinks, np.float32(scale),
                     np.float32(softcap), out)

@@ -3,7 +3,7 @@
 Phase 1, work unit (batch b, KV head, KV chunk c): the query heads of the KV head's GQA group run the online
 softmax over the chunk's rows together (``_attention_group.group_rows``: one read of each K/V row serves every head
 of the group) and leave a partial ``(M, S, A)`` per head: running max, sum of ``exp(s - M)`` and unnormalised
-``sum exp(s - M) v``. Phase 2, per (b, query head): the partials are folded in chunk order with the two-state
+``sum exp(s - M) v``. Phase 2 (on the calling thread: it is ~1% of the work), per (b, query head): the partials are folded in chunk order with the two-state
 online softmax (``M' = max(M, M_c)``; ``S' = S e^(M - M') + S_c e^(M_c - M')``; same for ``A``), then the sink
 joins the denominator and ``out[b, 0, h] = A / S``.
 
@@ -55,6 +55,10 @@ def _partials(B: int, Hkv: int, n_chunks: int, G: int, DV: int):
                    np.empty((B, Hkv, n_chunks, G * DV), np.float32))
     cache[key] = buffers  # most recently used last
     return buffers
+
+
+#: Positions of the driver's arguments read through flat4 (q, k, v, mask, out): compiled for any layout.
+STRIDED = (0, 1, 2, 3, 8)
 
 
 @kernel
@@ -127,7 +131,8 @@ def _serial(q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap)
 def _parallel(q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap):
     for u in prange(Mp.shape[0] * Mp.shape[1] * Mp.shape[2]):
         _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, u)
-    for bh in prange(q.shape[0] * q.shape[1]):
+    # The folds are ~1% of the work: on the calling thread, saving a second fork-join of the pool.
+    for bh in range(q.shape[0] * q.shape[1]):
         _fold(Mp, Sp, Ap, sinks, out, bh)
 
 
@@ -145,10 +150,11 @@ def run_split_kv(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     DV = v.shape[3]
     if sinks is None:
         sinks = np.full(Hq, -np.inf, np.float32)
+    sinks = np.ascontiguousarray(sinks)  # Hq floats: contiguous keeps one specialisation
     n_chunks, rows = chunking(Nkv)
     Mp, Sp, Ap = _partials(B, Hkv, n_chunks, Hq // Hkv, DV)
     nbytes = B * Hkv * Nkv * (DK * k.itemsize + DV * v.itemsize)
     driver = _parallel if _threads.threads_for(nbytes) > 1 else _serial
-    call_any_layout(driver, element_strides(q), element_strides(k), element_strides(v),
+    call_any_layout(driver, STRIDED, element_strides(q), element_strides(k), element_strides(v),
                     None if mask is None else element_strides(mask), slopes, sinks, np.float32(scale),
                     np.float32(softcap), out, rows, Mp, Sp, Ap)

@@ -17,6 +17,7 @@ computes the ALiBi slopes, allocates ``out`` when needed, and hands everything t
 """
 from __future__ import annotations
 
+import functools
 import importlib
 
 import numpy as np
@@ -56,6 +57,12 @@ def choose_path(B: int, Nq: int, Nkv: int, k_dtype: np.dtype, v_dtype: np.dtype)
     return "one_chunk"
 
 
+@functools.lru_cache(maxsize=64)
+def _slopes(n_head: int, max_bias: float) -> np.ndarray:
+    """ALiBi slopes as float32, computed once per (heads, max_bias); kernels only read them."""
+    return _args.alibi_slopes(n_head, max_bias).astype(FLOAT32)
+
+
 def _runner(path: str):
     if path == "one_chunk":
         return run_one_chunk
@@ -89,7 +96,7 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     if name == "split_kv" and Nq != 1:
         raise ValueError(f"path 'split_kv' is for decode: q must have Nq = 1 query row, got q.shape {q.shape}")
     result = np.empty(a.out_shape, FLOAT32) if out is None else out
-    slopes = _args.alibi_slopes(Hq, a.max_bias).astype(FLOAT32)
+    slopes = _slopes(Hq, a.max_bias)
     run(q, kernel_view(k), kernel_view(v), None if a.mask is None else kernel_view(a.mask), slopes, a.sinks,
         a.scale, a.logit_softcap, result)
     return result
