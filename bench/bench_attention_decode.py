@@ -79,7 +79,7 @@ def test_decode(benchmark, n_kv, dtype, impl, threads):
         torch = torch_or_none()
         if torch is None:
             pytest.skip("torch is not installed")
-        tq = torch.from_numpy(q)
+        tq = torch.from_numpy(q).to(torch.from_numpy(layers.kv[0][0]).dtype)  # SDPA wants one dtype
         tensors = [(torch.from_numpy(k), torch.from_numpy(v)) for k, v in layers.kv]
         cycle = itertools.cycle(tensors)
 
