@@ -13,7 +13,8 @@ The KV range is walked in blocks of ``ROWS`` rows (a block of K and V stays in L
    two rows feeds 8 dot products, float16/bfloat16 widened on the fly with ``to_f32``. Rows whose mask is ``-inf``
    for every head of the block are left out before any dot product is computed;
 3. per head: the block max, one rescale of ``S`` and ``A`` when the max grows, ``p = fast_exp(s - M)``;
-4. ``A += p v`` with the same head blocks and row pairs (rows whose ``p`` is 0 for the block are left out).
+4. ``A += p v`` with the same head blocks, V rows by fours (each accumulator is loaded and stored once per
+   four rows), then pairs; rows whose ``p`` is 0 for every head of the block are left out.
 
 A head whose scores in a block are all ``-inf`` contributes nothing (no ``exp(-inf - -inf)``). ``finalize`` folds
 in the sink logit and normalises; a row with nothing live (all masked, no sink) gives exact zeros.
@@ -169,6 +170,46 @@ def _dot1(qs, g, kf, o1, kcs):
     for d in range(qs.shape[1]):
         s0 += qs[g, d] * to_f32(kf[u1 + np.uint64(d) if kcs == 1 else u1 + np.uint64(d) * step])
     return s0
+
+
+@kernel
+def _axpy4x4(A, a0, DV, p, g, r1, r2, r3, r4, vf, o1, o2, o3, o4, vcs):
+    """A[g .. g+3] += p[.., r] V row for four rows: each accumulator is loaded and stored once per four rows
+    (256-bit stores are what bounds this loop on Zen 3)."""
+    p01 = p[g, r1]
+    p11 = p[g + 1, r1]
+    p21 = p[g + 2, r1]
+    p31 = p[g + 3, r1]
+    p02 = p[g, r2]
+    p12 = p[g + 1, r2]
+    p22 = p[g + 2, r2]
+    p32 = p[g + 3, r2]
+    p03 = p[g, r3]
+    p13 = p[g + 1, r3]
+    p23 = p[g + 2, r3]
+    p33 = p[g + 3, r3]
+    p04 = p[g, r4]
+    p14 = p[g + 1, r4]
+    p24 = p[g + 2, r4]
+    p34 = p[g + 3, r4]
+    u1 = np.uint64(o1)
+    u2 = np.uint64(o2)
+    u3 = np.uint64(o3)
+    u4 = np.uint64(o4)
+    step = np.uint64(vcs)
+    dv = np.uint64(DV)
+    b0 = np.uint64(a0)
+    for d in range(DV):
+        x = np.uint64(d) if vcs == 1 else np.uint64(d) * step
+        v1 = to_f32(vf[u1 + x])
+        v2 = to_f32(vf[u2 + x])
+        v3 = to_f32(vf[u3 + x])
+        v4 = to_f32(vf[u4 + x])
+        e = b0 + np.uint64(d)
+        A[e] += (p01 * v1 + p02 * v2) + (p03 * v3 + p04 * v4)
+        A[e + dv] += (p11 * v1 + p12 * v2) + (p13 * v3 + p14 * v4)
+        A[e + dv + dv] += (p21 * v1 + p22 * v2) + (p23 * v3 + p24 * v4)
+        A[e + dv + dv + dv] += (p31 * v1 + p32 * v2) + (p33 * v3 + p34 * v4)
 
 
 @kernel
@@ -330,7 +371,7 @@ def group_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs
                 sc[g, r] = p
                 total += p
             S[g] += total
-        # 4. A += p v, same head blocks and row pairs
+        # 4. A += p v, same head blocks, V rows by fours then pairs
         g = 0
         while g < G:
             width = 4 if G - g >= 4 else 1
@@ -343,6 +384,14 @@ def group_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs
                         break
             if width == 4:
                 x = 0
+                while x + 3 < n_live:
+                    r1 = rows[x]
+                    r2 = rows[x + 1]
+                    r3 = rows[x + 2]
+                    r4 = rows[x + 3]
+                    _axpy4x4(A, g * DV, DV, sc, g, r1, r2, r3, r4, vf, vbase + (jb + r1) * vrs,
+                             vbase + (jb + r2) * vrs, vbase + (jb + r3) * vrs, vbase + (jb + r4) * vrs, vcs)
+                    x += 4
                 while x + 1 < n_live:
                     r1 = rows[x]
                     r2 = rows[x + 1]

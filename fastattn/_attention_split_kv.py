@@ -3,15 +3,18 @@
 Phase 1, work unit (batch b, KV head, KV chunk c): the query heads of the KV head's GQA group run the online
 softmax over the chunk's rows together (``_attention_group.group_rows``: one read of each K/V row serves every head
 of the group) and leave a partial ``(M, S, A)`` per head: running max, sum of ``exp(s - M)`` and unnormalised
-``sum exp(s - M) v``. Phase 2 (on the calling thread: it is ~1% of the work), per (b, query head): the partials are folded in chunk order with the two-state
-online softmax (``M' = max(M, M_c)``; ``S' = S e^(M - M') + S_c e^(M_c - M')``; same for ``A``), then the sink
-joins the denominator and ``out[b, 0, h] = A / S``.
+``sum exp(s - M) v``.
+
+Phase 2 (on the calling thread: it is ~1% of the work), per (b, query head): the partials are folded in chunk
+order with the two-state online softmax (``M' = max(M, M_c)``, ``S' = S e^(M - M') + S_c e^(M_c - M')``, the
+same for ``A``), then the sink joins the denominator and ``out[b, 0, h] = A / S``.
 
 Chunk boundaries depend on Nkv only (``chunking``), never on the thread count, and each chunk and each fold runs
 the same code in a fixed order: the output is bit-identical for 1 and N threads (ggml's is not).
 
-Partials live in per-Python-thread buffers ``(B, Hkv, chunks, G) and (B, Hkv, chunks, G * DV)`` reused from call to call (bounded:
-at most 32 chunks per KV head), so concurrent calls from several Python threads never share them.
+Partials live in per-Python-thread buffers ``(B, Hkv, chunks, G)`` (M, S) and ``(B, Hkv, chunks, G * DV)`` (A),
+reused from call to call (bounded: at most 32 chunks per KV head, the last 4 shapes kept), so concurrent calls
+from several Python threads never share them.
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ import numpy as np
 from numba import prange
 
 from . import _threads
-from ._attention_group import ROWS, finalize, call_any_layout, element_strides, flat4, flat_mask, group_rows, load_group_queries
+from ._attention_group import (ROWS, call_any_layout, element_strides, finalize, flat4, flat_mask, group_rows,
+                               load_group_queries)
 from ._kernel import fast_exp, kernel
 
 #: Rows per chunk aimed at. Each chunk costs a unit's setup, its partials and a fold step; measured on the
