@@ -33,8 +33,9 @@ DEFAULT_Q_TILE = 64
 SPLIT_KV_MIN_NKV = 512
 
 
+@functools.lru_cache(maxsize=None)
 def _tiled_module():
-    """The tiled path's module, or None while it is not installed."""
+    """The tiled path's module, or None while it is not installed (looked up once per process)."""
     try:
         return importlib.import_module("._attention_tiled", __package__)
     except ModuleNotFoundError as error:
