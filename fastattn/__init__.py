@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 _FAST_OPS = {
     "rms_norm": ".norm", "rms_norm_mul": ".norm", "add_rms_norm_mul": ".norm",
     "set_rows": ".rows",  # not .set_rows: a module named like the function would shadow it
+    "flash_attn_ext": ".attention",
 }
 
 __all__ = [

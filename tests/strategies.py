@@ -114,3 +114,39 @@ def index_sets(n_rows: int, count: int, *, unique: bool = False):
 
 def has_bf16() -> bool:
     return BFLOAT16 is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Attention masks (added for flash_attn_ext): the kinds ggml's test suite draws, as float16 or float32 arrays.
+@st.composite
+def attention_masks(draw, B: int, Hq: int, Nq: int, Nkv: int):
+    """None, or an additive mask (..., Nm >= Nq, Nkv) broadcastable as ggml: causal, random ``-inf`` blocks,
+    fully masked rows, or ALiBi-style distances; float16 or float32, 2-D or 4-D with head/batch axes that divide
+    Hq and B."""
+    kind = draw(st.sampled_from(("none", "causal", "blocks", "full_rows", "distance")))
+    if kind == "none":
+        return None
+    rng = np.random.default_rng(draw(seeds))
+    Nm = Nq + draw(st.sampled_from((0, 0, 3)))  # ggml pads the mask's rows; extra rows are ignored
+    if draw(st.booleans()):
+        Bm = draw(st.sampled_from(sorted({1, B})))
+        Hm = draw(st.sampled_from(sorted({h for h in (1, 2, Hq) if Hq % h == 0})))
+        shape = (Bm, Hm, Nm, Nkv)
+    else:
+        shape = (Nm, Nkv)
+    values = np.zeros(shape) if kind == "causal" else rng.standard_normal(shape)
+    rows = np.arange(Nm)[:, None]
+    cols = np.arange(Nkv)[None, :]
+    if kind == "causal":  # the last query row sees every key (decode of the newest tokens)
+        values = np.where(cols > rows + (Nkv - Nq), -np.inf, values)
+    elif kind == "blocks":
+        for _ in range(draw(st.integers(1, 4))):
+            r0, c0 = rng.integers(0, Nm), rng.integers(0, Nkv)
+            r1, c1 = r0 + rng.integers(1, Nm + 1), c0 + rng.integers(1, Nkv + 1)
+            values[..., r0:r1, c0:c1] = -np.inf
+    elif kind == "full_rows":
+        values[..., rng.random(Nm) < 0.5, :] = -np.inf
+    else:  # distance: -|i - j| as ALiBi masks in ggml's tests, beyond a window -inf
+        values = -np.abs(rows - cols + (Nkv - Nq)).astype(np.float64) * np.ones(shape)
+        values = np.where(-values > draw(st.sampled_from((Nkv, 8))), -np.inf, values)
+    return values.astype(draw(f32_or_f16))

@@ -1,0 +1,426 @@
+"""The inner loop shared by the one_chunk and split_kv attention paths: one query row, one GQA group, a KV range.
+
+Both paths reduce to the same piece of work: for one query row and one KV head, run the online softmax of all
+``G = Hq // Hkv`` query heads of that KV head's group over KV rows ``[j0, j1)``, keeping per head a running max
+``M``, a running sum ``S`` and the unnormalised output ``A = sum_j exp(s_j - M) v_j``. Every K and V row is read
+once and serves the whole group (GQA reuse: decode attention is memory-bound, so the group's heads must share
+each row's read).
+
+The KV range is walked in blocks of ``ROWS`` rows (a block of K and V stays in L1 while every head uses it):
+
+1. mask terms ``slope_h * mask[.., h % Hm, i, j]`` (0 without a mask) go into the score scratch;
+2. scores: the group's heads in register blocks of 4 (the rest one by one) against pairs of K rows: one pass over
+   two rows feeds 8 dot products, float16/bfloat16 widened on the fly with ``to_f32``. Rows whose mask is ``-inf``
+   for every head of the block are left out before any dot product is computed;
+3. per head: the block max, one rescale of ``S`` and ``A`` when the max grows, ``p = fast_exp(s - M)``;
+4. ``A += p v`` with the same head blocks, V rows by fours (each accumulator is loaded and stored once per
+   four rows), then pairs; rows whose ``p`` is 0 for every head of the block are left out.
+
+A head whose scores in a block are all ``-inf`` contributes nothing (no ``exp(-inf - -inf)``). ``finalize`` folds
+in the sink logit and normalises; a row with nothing live (all masked, no sink) gives exact zeros.
+
+Memory layout: every array is read *flat* (``flat4``, inside the kernels): a 1-D C-contiguous view of the memory
+the strided array spans, plus the element offset of its first element and its element strides. A K/V cache
+slice, a transposed token-major cache or a padded view then compiles to the same code as a contiguous array
+(one specialisation per dtype), and rows are read with unsigned offsets so the inner loops vectorise (Numba's
+"any layout" arrays and signed indices do not). A row whose elements are not adjacent (column stride != 1) takes
+a strided loop.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from numba import carray, typeof, types
+from numba.core.errors import TypingError
+from numba.extending import intrinsic
+
+from ._kernel import fast_exp, kernel, to_f32
+
+#: KV rows per block: 32 rows of K and of V (8-16 KiB each at D 128) stay in L1 across the group's head blocks.
+ROWS = 32
+NEG_INF = np.float32(-np.inf)
+
+
+@intrinsic
+def _pointer_at(typingctx, arr, offset):
+    """Pointer to element ``offset`` (counted in elements from the first one, may be negative) of ``arr``'s data."""
+    if not isinstance(arr, types.Array) or not isinstance(offset, types.Integer):
+        raise TypingError("expected an array and an integer offset")
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.gep(data, [args[1]])
+
+    return types.CPointer(arr.dtype)(arr, offset), codegen
+
+
+@kernel
+def flat4(a):
+    """(1-D C-contiguous view of the memory the 4-D array ``a`` spans, element offset of ``a[0, 0, 0, 0]`` in it,
+    element strides). ``a``'s strides must be whole numbers of elements (``element_strides`` checks)."""
+    item = a.itemsize
+    s0 = a.strides[0] // item
+    s1 = a.strides[1] // item
+    s2 = a.strides[2] // item
+    s3 = a.strides[3] // item
+    low = 0
+    high = 0
+    for n, s in ((a.shape[0], s0), (a.shape[1], s1), (a.shape[2], s2), (a.shape[3], s3)):
+        if s < 0:
+            low += (n - 1) * s
+        else:
+            high += (n - 1) * s
+    return carray(_pointer_at(a, low), high - low + 1), -low, (s0, s1, s2, s3)
+
+
+@kernel
+def flat_mask(mask):
+    """``flat4`` of the mask and its (Bm, Hm); (None, 0, zeros, 1, 1) without a mask."""
+    if mask is None:
+        return None, 0, (0, 0, 0, 0), 1, 1
+    mf, mo, mst = flat4(mask)
+    return mf, mo, mst, mask.shape[0], mask.shape[1]
+
+
+def element_strides(a: np.ndarray) -> np.ndarray:
+    """``a`` itself when its strides are whole numbers of elements (every ordinary view), else a C copy."""
+    item = a.itemsize
+    return a if not any(s % item for s in a.strides) else np.ascontiguousarray(a)
+
+
+_compiled: dict = {}
+
+
+def call_any_layout(dispatcher, strided, *args):
+    """Call ``dispatcher`` with the arrays at positions ``strided`` typed as any layout ('A').
+
+    The kernels read those arrays flat (``flat4``), so contiguous and strided ones need the same code: one
+    specialisation per dtype combination instead of one per combination of layouts (each costs seconds to
+    compile). The other arrays (scratch the path allocates, slopes, sinks) stay C-contiguous so that loops over
+    them vectorise. The compiled entry point is called directly (it accepts C arrays for 'A' parameters),
+    skipping the dispatcher's search for a conversion on every call.
+    """
+    key = (dispatcher,) + tuple((a.dtype, a.ndim, a.flags.writeable, a.flags.c_contiguous)
+                                if isinstance(a, np.ndarray) else type(a) for a in args)
+    entry = _compiled.get(key)
+    if entry is None:
+        signature = tuple(t.copy(layout="A") if i in strided and isinstance(t, types.Array) else t
+                          for i, t in enumerate(map(typeof, args)))
+        dispatcher.compile(signature)
+        entry = _compiled[key] = dispatcher.overloads[signature].entry_point
+    return entry(*args)
+
+
+@kernel
+def _dot4x2(qs, g, kf, o1, o2, kcs):
+    """Dot products of query rows g .. g+3 with the K rows at flat offsets o1 and o2: 8 sums, one pass."""
+    s0 = np.float32(0.0)
+    s1 = np.float32(0.0)
+    s2 = np.float32(0.0)
+    s3 = np.float32(0.0)
+    t0 = np.float32(0.0)
+    t1 = np.float32(0.0)
+    t2 = np.float32(0.0)
+    t3 = np.float32(0.0)
+    u1 = np.uint64(o1)
+    u2 = np.uint64(o2)
+    step = np.uint64(kcs)
+    for d in range(qs.shape[1]):
+        x = u1 + np.uint64(d) if kcs == 1 else u1 + np.uint64(d) * step
+        y = u2 + np.uint64(d) if kcs == 1 else u2 + np.uint64(d) * step
+        k1 = to_f32(kf[x])
+        k2 = to_f32(kf[y])
+        q0 = qs[g, d]
+        q1 = qs[g + 1, d]
+        q2 = qs[g + 2, d]
+        q3 = qs[g + 3, d]
+        s0 += q0 * k1
+        s1 += q1 * k1
+        s2 += q2 * k1
+        s3 += q3 * k1
+        t0 += q0 * k2
+        t1 += q1 * k2
+        t2 += q2 * k2
+        t3 += q3 * k2
+    return s0, s1, s2, s3, t0, t1, t2, t3
+
+
+@kernel
+def _dot4(qs, g, kf, o1, kcs):
+    s0 = np.float32(0.0)
+    s1 = np.float32(0.0)
+    s2 = np.float32(0.0)
+    s3 = np.float32(0.0)
+    u1 = np.uint64(o1)
+    step = np.uint64(kcs)
+    for d in range(qs.shape[1]):
+        k1 = to_f32(kf[u1 + np.uint64(d) if kcs == 1 else u1 + np.uint64(d) * step])
+        s0 += qs[g, d] * k1
+        s1 += qs[g + 1, d] * k1
+        s2 += qs[g + 2, d] * k1
+        s3 += qs[g + 3, d] * k1
+    return s0, s1, s2, s3
+
+
+@kernel
+def _dot1(qs, g, kf, o1, kcs):
+    s0 = np.float32(0.0)
+    u1 = np.uint64(o1)
+    step = np.uint64(kcs)
+    for d in range(qs.shape[1]):
+        s0 += qs[g, d] * to_f32(kf[u1 + np.uint64(d) if kcs == 1 else u1 + np.uint64(d) * step])
+    return s0
+
+
+@kernel
+def _axpy4x4(A, a0, DV, p, g, r1, r2, r3, r4, vf, o1, o2, o3, o4, vcs):
+    """A[g .. g+3] += p[.., r] V row for four rows: each accumulator is loaded and stored once per four rows
+    (256-bit stores are what bounds this loop on Zen 3)."""
+    p01 = p[g, r1]
+    p11 = p[g + 1, r1]
+    p21 = p[g + 2, r1]
+    p31 = p[g + 3, r1]
+    p02 = p[g, r2]
+    p12 = p[g + 1, r2]
+    p22 = p[g + 2, r2]
+    p32 = p[g + 3, r2]
+    p03 = p[g, r3]
+    p13 = p[g + 1, r3]
+    p23 = p[g + 2, r3]
+    p33 = p[g + 3, r3]
+    p04 = p[g, r4]
+    p14 = p[g + 1, r4]
+    p24 = p[g + 2, r4]
+    p34 = p[g + 3, r4]
+    u1 = np.uint64(o1)
+    u2 = np.uint64(o2)
+    u3 = np.uint64(o3)
+    u4 = np.uint64(o4)
+    step = np.uint64(vcs)
+    dv = np.uint64(DV)
+    b0 = np.uint64(a0)
+    for d in range(DV):
+        x = np.uint64(d) if vcs == 1 else np.uint64(d) * step
+        v1 = to_f32(vf[u1 + x])
+        v2 = to_f32(vf[u2 + x])
+        v3 = to_f32(vf[u3 + x])
+        v4 = to_f32(vf[u4 + x])
+        e = b0 + np.uint64(d)
+        A[e] += (p01 * v1 + p02 * v2) + (p03 * v3 + p04 * v4)
+        A[e + dv] += (p11 * v1 + p12 * v2) + (p13 * v3 + p14 * v4)
+        A[e + dv + dv] += (p21 * v1 + p22 * v2) + (p23 * v3 + p24 * v4)
+        A[e + dv + dv + dv] += (p31 * v1 + p32 * v2) + (p33 * v3 + p34 * v4)
+
+
+@kernel
+def _axpy4x2(A, a0, DV, p, g, r1, r2, vf, o1, o2, vcs):
+    """A[g .. g+3] += p[.., r1] V row o1 + p[.., r2] V row o2 (A flat, head g's DV values at a0)."""
+    p01 = p[g, r1]
+    p11 = p[g + 1, r1]
+    p21 = p[g + 2, r1]
+    p31 = p[g + 3, r1]
+    p02 = p[g, r2]
+    p12 = p[g + 1, r2]
+    p22 = p[g + 2, r2]
+    p32 = p[g + 3, r2]
+    u1 = np.uint64(o1)
+    u2 = np.uint64(o2)
+    step = np.uint64(vcs)
+    dv = np.uint64(DV)
+    b0 = np.uint64(a0)
+    for d in range(DV):
+        x = u1 + np.uint64(d) if vcs == 1 else u1 + np.uint64(d) * step
+        y = u2 + np.uint64(d) if vcs == 1 else u2 + np.uint64(d) * step
+        v1 = to_f32(vf[x])
+        v2 = to_f32(vf[y])
+        e = b0 + np.uint64(d)
+        A[e] += p01 * v1 + p02 * v2
+        A[e + dv] += p11 * v1 + p12 * v2
+        A[e + dv + dv] += p21 * v1 + p22 * v2
+        A[e + dv + dv + dv] += p31 * v1 + p32 * v2
+
+
+@kernel
+def _axpy4(A, a0, DV, p, g, r1, vf, o1, vcs):
+    p0 = p[g, r1]
+    p1 = p[g + 1, r1]
+    p2 = p[g + 2, r1]
+    p3 = p[g + 3, r1]
+    u1 = np.uint64(o1)
+    step = np.uint64(vcs)
+    dv = np.uint64(DV)
+    b0 = np.uint64(a0)
+    for d in range(DV):
+        v1 = to_f32(vf[u1 + np.uint64(d) if vcs == 1 else u1 + np.uint64(d) * step])
+        e = b0 + np.uint64(d)
+        A[e] += p0 * v1
+        A[e + dv] += p1 * v1
+        A[e + dv + dv] += p2 * v1
+        A[e + dv + dv + dv] += p3 * v1
+
+
+@kernel
+def _axpy1(A, a0, DV, p0, vf, o1, vcs):
+    u1 = np.uint64(o1)
+    step = np.uint64(vcs)
+    b0 = np.uint64(a0)
+    for d in range(DV):
+        A[b0 + np.uint64(d)] += p0 * to_f32(vf[u1 + np.uint64(d) if vcs == 1 else u1 + np.uint64(d) * step])
+
+
+@kernel
+def _logit(dot, scale, softcap):
+    x = np.float32(dot * scale)
+    if softcap != 0.0:
+        x = np.float32(softcap * np.tanh(x / softcap))
+    return x
+
+
+@kernel
+def load_group_queries(qf, qbase, qhs, qcs, qs):
+    """qs[g] = the query row at flat offset qbase + g * qhs (column stride qcs), for the G heads of a group."""
+    for g in range(qs.shape[0]):
+        row = qbase + g * qhs
+        for d in range(qs.shape[1]):
+            qs[g, d] = qf[row + d * qcs]
+
+
+@kernel
+def group_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs, Hm, slopes, h0, scale, softcap,
+               j0, j1, M, S, A, sc, rows):
+    """Online softmax of a GQA group's heads over KV rows [j0, j1), updating M, S (G,) and A (G * DV,) in place.
+
+    ``qs`` (G, DK): the group's query rows (query heads h0 .. h0+G). K row j starts at flat offset
+    ``kbase + j * krs`` of ``kf`` (column stride ``kcs``), V likewise. Mask (``mf`` None for no mask): head h,
+    column j at ``mbase + (h % Hm) * mhs + j * mcs``. Scratch: ``sc`` (G, ROWS) float32, ``rows`` (ROWS,) int64.
+    """
+    G = qs.shape[0]
+    DV = A.shape[0] // G
+    for jb in range(j0, j1, ROWS):
+        n = min(ROWS, j1 - jb)
+        # 1. mask terms (the scores start from them)
+        for g in range(G):
+            if mf is None:
+                for r in range(n):
+                    sc[g, r] = 0.0
+            else:
+                h = h0 + g
+                start = mbase + (h % Hm) * mhs + jb * mcs
+                slope = slopes[h]
+                for r in range(n):
+                    sc[g, r] = slope * to_f32(mf[start + r * mcs])
+        # 2. scores, the group's heads in register blocks against pairs of K rows
+        g = 0
+        while g < G:
+            width = 4 if G - g >= 4 else 1
+            n_live = 0
+            for r in range(n):
+                for t in range(width):
+                    if sc[g + t, r] != NEG_INF:
+                        rows[n_live] = r
+                        n_live += 1
+                        break
+            if width == 4:
+                x = 0
+                while x + 1 < n_live:
+                    r1 = rows[x]
+                    r2 = rows[x + 1]
+                    s0, s1, s2, s3, t0, t1, t2, t3 = _dot4x2(qs, g, kf, kbase + (jb + r1) * krs,
+                                                             kbase + (jb + r2) * krs, kcs)
+                    sc[g, r1] += _logit(s0, scale, softcap)
+                    sc[g + 1, r1] += _logit(s1, scale, softcap)
+                    sc[g + 2, r1] += _logit(s2, scale, softcap)
+                    sc[g + 3, r1] += _logit(s3, scale, softcap)
+                    sc[g, r2] += _logit(t0, scale, softcap)
+                    sc[g + 1, r2] += _logit(t1, scale, softcap)
+                    sc[g + 2, r2] += _logit(t2, scale, softcap)
+                    sc[g + 3, r2] += _logit(t3, scale, softcap)
+                    x += 2
+                if x < n_live:
+                    r1 = rows[x]
+                    s0, s1, s2, s3 = _dot4(qs, g, kf, kbase + (jb + r1) * krs, kcs)
+                    sc[g, r1] += _logit(s0, scale, softcap)
+                    sc[g + 1, r1] += _logit(s1, scale, softcap)
+                    sc[g + 2, r1] += _logit(s2, scale, softcap)
+                    sc[g + 3, r1] += _logit(s3, scale, softcap)
+            else:
+                for x in range(n_live):
+                    r1 = rows[x]
+                    sc[g, r1] += _logit(_dot1(qs, g, kf, kbase + (jb + r1) * krs, kcs), scale, softcap)
+            g += width
+        # 3. per head: rescale to the new max, turn scores into weights
+        for g in range(G):
+            block_max = NEG_INF
+            for r in range(n):
+                block_max = max(block_max, sc[g, r])
+            if block_max == NEG_INF:
+                for r in range(n):
+                    sc[g, r] = 0.0
+                continue
+            if block_max > M[g]:
+                factor = fast_exp(M[g] - block_max)  # 0 while M is still -inf
+                S[g] *= factor
+                a0 = g * DV
+                for d in range(DV):
+                    A[a0 + d] *= factor
+                M[g] = block_max
+            m = M[g]
+            total = np.float32(0.0)
+            for r in range(n):
+                p = fast_exp(sc[g, r] - m)
+                sc[g, r] = p
+                total += p
+            S[g] += total
+        # 4. A += p v, same head blocks, V rows by fours then pairs
+        g = 0
+        while g < G:
+            width = 4 if G - g >= 4 else 1
+            n_live = 0
+            for r in range(n):
+                for t in range(width):
+                    if sc[g + t, r] != 0.0:
+                        rows[n_live] = r
+                        n_live += 1
+                        break
+            if width == 4:
+                x = 0
+                while x + 3 < n_live:
+                    r1 = rows[x]
+                    r2 = rows[x + 1]
+                    r3 = rows[x + 2]
+                    r4 = rows[x + 3]
+                    _axpy4x4(A, g * DV, DV, sc, g, r1, r2, r3, r4, vf, vbase + (jb + r1) * vrs,
+                             vbase + (jb + r2) * vrs, vbase + (jb + r3) * vrs, vbase + (jb + r4) * vrs, vcs)
+                    x += 4
+                while x + 1 < n_live:
+                    r1 = rows[x]
+                    r2 = rows[x + 1]
+                    _axpy4x2(A, g * DV, DV, sc, g, r1, r2, vf, vbase + (jb + r1) * vrs, vbase + (jb + r2) * vrs,
+                             vcs)
+                    x += 2
+                if x < n_live:
+                    r1 = rows[x]
+                    _axpy4(A, g * DV, DV, sc, g, r1, vf, vbase + (jb + r1) * vrs, vcs)
+            else:
+                for x in range(n_live):
+                    r1 = rows[x]
+                    _axpy1(A, g * DV, DV, sc[g, r1], vf, vbase + (jb + r1) * vrs, vcs)
+            g += width
+
+
+@kernel
+def finalize(m, s, A, a0, DV, sink, of, obase, ocs):
+    """out = A[a0:a0+DV] / (s + exp(sink - m)), both terms rescaled to max(m, sink); zeros when nothing is live.
+
+    The DV outputs go to flat offsets ``obase + d * ocs`` of ``of``.
+    """
+    top = max(m, sink)
+    if top == NEG_INF:
+        for d in range(DV):
+            of[obase + d * ocs] = 0.0
+        return
+    factor = fast_exp(m - top)  # 0 when m is -inf (only the sink is live: the output is 0)
+    total = s * factor + fast_exp(sink - top)
+    weight = factor / total
+    for d in range(DV):
+        of[obase + d * ocs] = A[a0 + d] * weight

@@ -1,0 +1,103 @@
+"""``flash_attn_ext``: attention with ggml's semantics, three fast paths and ggml's selection rule.
+
+    out[b, i, h] = softmax_j(scale q_i.k_j [softcap] + slope_h mask[b % Bm, h % Hm, i, j], sink_h) V
+
+with GQA (query head h reads KV head h // (Hq // Hkv)) and K/V batch broadcast (query batch b reads K/V batch
+b // (B // Bk)). The output is (B, Nq, Hq, DV) float32, ggml's permuted layout.
+
+This module parses the arguments (``fastattn._args.attention``, shared with the reference), turns K, V and the
+mask into kernel views (float16 as uint16 bits, bfloat16 as int16 bits: nothing is copied or widened up front),
+computes the ALiBi slopes, allocates ``out`` when needed, and hands everything to one path module:
+
+- ``one_chunk`` (``_attention_one_chunk``): per query row, online softmax over the whole KV range;
+- ``tiled`` (``_attention_tiled``, imported on first use): Q tiles x KV tiles, for prefill;
+- ``split_kv`` (``_attention_split_kv``): decode, KV chunks reduced in a fixed order (thread-count independent).
+
+``auto`` follows ggml (see ``choose_path`` and docs/attention.md for where and why it differs).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+
+import numpy as np
+
+from ._args import attention as _args
+from ._attention_one_chunk import run_one_chunk
+from ._attention_split_kv import run_split_kv
+from ._kernel import FLOAT16, FLOAT32, kernel_view
+
+#: Nq at which ``auto`` takes the tiled path when the tiled module does not state its own Q tile (ggml's 64).
+DEFAULT_Q_TILE = 64
+#: Nkv from which ``auto`` takes split_kv for decode (ggml's threshold).
+SPLIT_KV_MIN_NKV = 512
+
+
+@functools.lru_cache(maxsize=None)
+def _tiled_module():
+    """The tiled path's module, or None while it is not installed (looked up once per process)."""
+    try:
+        return importlib.import_module("._attention_tiled", __package__)
+    except ModuleNotFoundError as error:
+        if error.name != f"{__package__}._attention_tiled":
+            raise
+        return None
+
+
+def choose_path(B: int, Nq: int, Nkv: int, k_dtype: np.dtype, v_dtype: np.dtype) -> str:
+    """The path ``auto`` takes for these sizes and K/V dtypes.
+
+    split_kv for decode (Nq == 1, B == 1, K and V both float32 or both float16, Nkv >= SPLIT_KV_MIN_NKV); tiled
+    when Nq reaches the tiled path's Q tile (and the tiled module is installed); one_chunk otherwise.
+    """
+    if Nq == 1 and B == 1 and k_dtype == v_dtype and k_dtype in (FLOAT32, FLOAT16) and Nkv >= SPLIT_KV_MIN_NKV:
+        return "split_kv"
+    tiled = _tiled_module()
+    if tiled is not None and Nq >= getattr(tiled, "Q_TILE", DEFAULT_Q_TILE):
+        return "tiled"
+    return "one_chunk"
+
+
+@functools.lru_cache(maxsize=64)
+def _slopes(n_head: int, max_bias: float) -> np.ndarray:
+    """ALiBi slopes as float32, computed once per (heads, max_bias); kernels only read them."""
+    return _args.alibi_slopes(n_head, max_bias).astype(FLOAT32)
+
+
+def _runner(path: str):
+    if path == "one_chunk":
+        return run_one_chunk
+    if path == "split_kv":
+        return run_split_kv
+    tiled = _tiled_module()
+    if tiled is None:
+        raise ValueError("path 'tiled' is not available in this build (fastattn._attention_tiled is missing)")
+    return tiled.run_tiled
+
+
+def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
+                   scale: float, max_bias: float = 0.0, logit_softcap: float = 0.0,
+                   sinks: np.ndarray | None = None, path: str = "auto", out: np.ndarray | None = None
+                   ) -> np.ndarray:
+    """softmax(scale·QKᵀ [softcap] + slope·mask, sinks) V; returns ``out`` (B, Nq, Hq, DV) float32.
+
+    q (B, Hq, Nq, DK) float32; k (Bk, Hkv, Nkv, DK) and v (Bk, Hkv, Nkv, DV) float32, float16 or bfloat16, with
+    Hq % Hkv == 0 and B % Bk == 0; mask float32/float16 with 2 to 4 axes (..., >= Nq rows, Nkv columns), its
+    head and batch axes dividing Hq and B (applied modulo, as ggml); ``-inf`` masks. ``max_bias`` > 0 multiplies
+    the mask by ggml's ALiBi slope of each head; ``logit_softcap`` > 0 applies softcap·tanh(s/softcap) before the
+    mask; ``sinks`` (Hq,) float32 joins each head's softmax denominator. ``path``: "auto", "one_chunk", "tiled"
+    or "split_kv" (Nq == 1 only). Every input may be a strided view; ``out`` (float32, any strides, not
+    overlapping an input) is written in full. Rows with every score masked give zeros.
+    """
+    a = _args.parse(q, k, v, mask, scale, max_bias, logit_softcap, sinks, path, out, out_dtypes=(FLOAT32,))
+    B, Hq, Nq, _ = q.shape
+    Nkv = k.shape[2]
+    name = choose_path(B, Nq, Nkv, k.dtype, v.dtype) if a.path == "auto" else a.path
+    run = _runner(name)
+    if name == "split_kv" and Nq != 1:
+        raise ValueError(f"path 'split_kv' is for decode: q must have Nq = 1 query row, got q.shape {q.shape}")
+    result = np.empty(a.out_shape, FLOAT32) if out is None else out
+    slopes = _slopes(Hq, a.max_bias)
+    run(q, kernel_view(k), kernel_view(v), None if a.mask is None else kernel_view(a.mask), slopes, a.sinks,
+        a.scale, a.logit_softcap, result)
+    return result
