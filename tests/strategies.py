@@ -61,7 +61,7 @@ class StridedView:
 
     def assert_outside_unchanged(self) -> None:
         """Every parent element outside the view is byte-identical to before."""
-        now = self.parent.view(np.uint8).reshape(self.parent.shape + (-1,))
+        now = np.ascontiguousarray(self.parent).view(np.uint8).reshape(self.parent.shape + (-1,))
         then = self.snapshot.view(np.uint8).reshape(self.snapshot.shape + (-1,))
         changed = np.any(now != then, axis=-1) & ~self.inside
         assert not changed.any(), f"{int(changed.sum())} element(s) outside the view were written"
