@@ -163,21 +163,26 @@ MASK_SKIP, MASK_ZERO, MASK_ADD = 0, 1, 2  # a mask block: all -inf / all 0 / any
 
 
 @kernel
-def _load_mask_block(plane, i0, nq, j0, nk, mt):
-    """mt[jj, ii] = plane[i0 + ii, j0 + jj] (transposed, as the scores) and what the block is: MASK_SKIP when
-    every entry is -inf, MASK_ZERO when every entry is 0, else MASK_ADD."""
-    live = False
+def _load_mask_block(plane, i0, nq, j0, nk, mt, info):
+    """mt[jj, ii] = plane[i0 + ii, j0 + jj] (transposed, as the scores), and what the block is:
+    info = (kind, lo, hi) with kind MASK_SKIP when every entry is -inf, MASK_ZERO when every entry is 0, else
+    MASK_ADD; [lo, hi) bounds the KV rows with a live (not -inf) entry: rows outside it contribute exactly 0
+    (the diagonal tiles of a causal mask are half dead)."""
+    lo = nk
+    hi = 0
     nonzero = False
     for ii in range(nq):
         seg = plane[i0 + ii][j0:j0 + nk]
         for jj in range(nk):
             x = to_f32(seg[jj])
             mt[jj, ii] = x
-            live = live or x != _NEG_INF
             nonzero = nonzero or x != 0.0
-    if not live:
-        return MASK_SKIP
-    return MASK_ADD if nonzero else MASK_ZERO
+            if x != _NEG_INF:
+                lo = min(lo, jj)
+                hi = max(hi, jj + 1)
+    info[0] = MASK_SKIP if hi == 0 else (MASK_ADD if nonzero else MASK_ZERO)
+    info[1] = lo
+    info[2] = hi
 
 
 @kernel
@@ -218,19 +223,25 @@ def _task(q, k, v, mask, has_mask, slopes, sinks, has_sinks, scale, softcap, out
         nk = min(KV_TILE, Nkv - j0)
         any_live = False
         loaded_plane = -1  # the mask plane now in mt (shared by every head when the mask has one head)
-        kind = MASK_ZERO
         for hh in range(n_heads):
             h = h_first + hh
-            kinds[hh] = MASK_ZERO
+            info = kinds[hh]
             if has_mask:
                 hm = h % mask.shape[1]
                 if hm != loaded_plane:
-                    kind = _load_mask_block(mask[bm, hm], i0, nq, j0, nk, mt)
+                    _load_mask_block(mask[bm, hm], i0, nq, j0, nk, mt, info)
                     loaded_plane = hm
-                kinds[hh] = kind
-                if kind == MASK_SKIP and not slopes[h] > 0.0:  # slope·(-inf) is -inf only for a positive slope
-                    kinds[hh] = MASK_ADD
-            any_live = any_live or kinds[hh] != MASK_SKIP
+                else:
+                    info[:] = kinds[hh - 1]
+                if not slopes[h] > 0.0:  # slope·(-inf) is -inf only for a positive slope: use every row
+                    info[0] = MASK_ADD
+                    info[1] = 0
+                    info[2] = nk
+            else:
+                info[0] = MASK_ZERO
+                info[1] = 0
+                info[2] = nk
+            any_live = any_live or info[0] != MASK_SKIP
         if not any_live:
             continue
 
@@ -244,25 +255,25 @@ def _task(q, k, v, mask, has_mask, slopes, sinks, has_sinks, scale, softcap, out
             v_dst = vs[jj]
             for d in range(DV):
                 v_dst[d] = to_f32(v_row[d])
-        kv_blocks = -(-nk // BLOCK_ROWS)
 
         for hh in range(n_heads):
-            if kinds[hh] == MASK_SKIP:
+            kind, lo, hi = kinds[hh, 0], kinds[hh, 1], kinds[hh, 2]
+            if kind == MASK_SKIP:
                 continue
             h = h_first + hh
             c0 = hh * Q_TILE
-            for rb in range(kv_blocks):
+            for rb in range(lo // BLOCK_ROWS, -(-hi // BLOCK_ROWS)):
                 for cb in range(c0, c0 + Q_TILE, BLOCK_COLS):
                     _block_scores(ks, qt, st, rb * BLOCK_ROWS, cb, DK)
-            if has_mask and kinds[hh] == MASK_ADD and h % mask.shape[1] != loaded_plane:
+            if kind == MASK_ADD and h % mask.shape[1] != loaded_plane:
                 loaded_plane = h % mask.shape[1]  # a later head's plane was loaded last: reload this one
-                _load_mask_block(mask[bm, loaded_plane], i0, nq, j0, nk, mt)
+                _load_mask_block(mask[bm, loaded_plane], i0, nq, j0, nk, mt, kinds[hh])
             # Softmax over whole Q_TILE columns (padding columns of a short tile hold finite scores): loops of
             # a compile-time trip count vectorise without a scalar remainder.
             slope = slopes[h]
             t_max = tile_max[c0:c0 + Q_TILE]
             t_max[:] = _NEG_INF
-            for jj in range(nk):
+            for jj in range(lo, hi):
                 row = st[jj, c0:c0 + Q_TILE]
                 if softcap != 0.0:
                     for c in range(Q_TILE):
@@ -270,7 +281,7 @@ def _task(q, k, v, mask, has_mask, slopes, sinks, has_sinks, scale, softcap, out
                 else:
                     for c in range(Q_TILE):
                         row[c] *= scale
-                if kinds[hh] == MASK_ADD:
+                if kind == MASK_ADD:
                     m_row = mt[jj]
                     for c in range(Q_TILE):
                         row[c] += slope * m_row[c]
@@ -286,15 +297,17 @@ def _task(q, k, v, mask, has_mask, slopes, sinks, has_sinks, scale, softcap, out
                 t_max[c] = m_new if live else np.float32(0.0)  # the shift: exp(-inf - 0) = 0 for a dead row
                 m_h[c] = m_new
                 l_h[c] *= a_h[c]
-            for jj in range(nk):
+            for jj in range(lo, hi):
                 row = st[jj, c0:c0 + Q_TILE]
                 for c in range(Q_TILE):
                     p = fast_exp(row[c] - t_max[c])
                     row[c] = p
                     l_h[c] += p
+            st_live = st[lo:]
+            vs_live = vs[lo:]
             for rb in range(row_blocks):
                 for cb in range(0, dv_pad, BLOCK_COLS):
-                    _block_values(st, vs, o, alpha, c0 + rb * BLOCK_ROWS, cb, nk)
+                    _block_values(st_live, vs_live, o, alpha, c0 + rb * BLOCK_ROWS, cb, hi - lo)
 
     for hh in range(n_heads):
         h = h_first + hh
@@ -425,7 +438,7 @@ def run_tiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     mt = np.zeros((n_slots, KV_TILE, Q_TILE), np.float32)
     o = np.zeros((n_slots, cols, dv_pad), np.float32)
     m, l, alpha, tile_max = (np.zeros((n_slots, cols), np.float32) for _ in range(4))
-    kinds = np.zeros((n_slots, heads), np.int64)
+    kinds = np.zeros((n_slots, heads, 3), np.int64)  # per head: mask kind and live KV rows [lo, hi)
     args = (q, k, v, _NO_MASK if mask is None else mask, mask is not None, slopes,
             _NO_SINKS if sinks is None else sinks, sinks is not None, np.float32(scale), np.float32(softcap), out,
             qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds)
