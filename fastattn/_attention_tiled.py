@@ -38,6 +38,7 @@ import numpy as np
 from llvmlite import ir
 from numba import prange, types
 from numba.core.errors import TypingError
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 
 from . import _threads
@@ -159,30 +160,71 @@ def _block_values(typingctx, st, vs, o, alpha, i, j, kdim):
     return types.none(st, vs, o, alpha, i, j, kdim), _block_codegen(a_transposed=True, scaled_accumulate=True)
 
 
+@intrinsic
+def _as_contiguous(typingctx, row):
+    """The 1-D any-layout array ``row`` retyped as C-contiguous (same data, shape and stride). Only for a row
+    whose stride is its itemsize: then LLVM vectorises loops over it (a strided row cannot be)."""
+    if not (isinstance(row, types.Array) and row.ndim == 1):
+        raise TypingError("_as_contiguous: expected a 1-D array")
+    result = row.copy(layout="C")
+
+    def codegen(context, builder, signature, args):
+        return impl_ret_borrowed(context, builder, result, args[0])  # layouts share one data model
+
+    return result(row), codegen
+
+
+@kernel
+def _widen_row(src, dst):
+    """dst[:n] = float32(src) for a row of any layout; contiguous rows take the vectorised loop."""
+    if src.strides[0] == src.itemsize:
+        contiguous = _as_contiguous(src)
+        for d in range(src.shape[0]):
+            dst[d] = to_f32(contiguous[d])
+    else:
+        for d in range(src.shape[0]):
+            dst[d] = to_f32(src[d])
+
+
 MASK_SKIP, MASK_ZERO, MASK_ADD = 0, 1, 2  # a mask block: all -inf / all 0 / anything else
 
 
 @kernel
+def _scan_mask_row(seg, lo, hi, nonzero):
+    """Fold one mask row into (lo, hi, nonzero): the live (not -inf) KV range and whether any entry is not 0."""
+    n = seg.shape[0]
+    for jj in range(n):
+        x = to_f32(seg[jj])
+        live = x != _NEG_INF
+        lo = min(lo, jj if live else n)
+        hi = max(hi, jj + 1 if live else 0)
+        nonzero = nonzero or x != 0.0
+    return lo, hi, nonzero
+
+
+@kernel
 def _load_mask_block(plane, i0, nq, j0, nk, mt, info):
-    """mt[jj, ii] = plane[i0 + ii, j0 + jj] (transposed, as the scores), and what the block is:
-    info = (kind, lo, hi) with kind MASK_SKIP when every entry is -inf, MASK_ZERO when every entry is 0, else
-    MASK_ADD; [lo, hi) bounds the KV rows with a live (not -inf) entry: rows outside it contribute exactly 0
-    (the diagonal tiles of a causal mask are half dead)."""
+    """Classify the mask block plane[i0:i0+nq, j0:j0+nk] into info = (kind, lo, hi): kind MASK_SKIP when every
+    entry is -inf, MASK_ZERO when every entry is 0, else MASK_ADD; [lo, hi) bounds the KV rows with a live entry
+    (rows outside it contribute exactly 0: the diagonal tiles of a causal mask are half dead). Only a MASK_ADD
+    block is copied, transposed like the scores, into mt[jj, ii]."""
     lo = nk
     hi = 0
     nonzero = False
     for ii in range(nq):
         seg = plane[i0 + ii][j0:j0 + nk]
-        for jj in range(nk):
-            x = to_f32(seg[jj])
-            mt[jj, ii] = x
-            nonzero = nonzero or x != 0.0
-            if x != _NEG_INF:
-                lo = min(lo, jj)
-                hi = max(hi, jj + 1)
+        if seg.strides[0] == seg.itemsize:
+            lo, hi, nonzero = _scan_mask_row(_as_contiguous(seg), lo, hi, nonzero)
+        else:
+            lo, hi, nonzero = _scan_mask_row(seg, lo, hi, nonzero)
     info[0] = MASK_SKIP if hi == 0 else (MASK_ADD if nonzero else MASK_ZERO)
     info[1] = lo
     info[2] = hi
+    if info[0] == MASK_ADD:
+        for ii in range(nq):
+            seg = plane[i0 + ii][j0:j0 + nk]
+            for jj in range(nk):
+                mt[jj, ii] = to_f32(seg[jj])
 
 
 @kernel
@@ -247,14 +289,8 @@ def _task(q, k, v, mask, has_mask, slopes, sinks, has_sinks, scale, softcap, out
 
         # Widen the K and V tiles once for every head of the task.
         for jj in range(nk):
-            k_row = k_plane[j0 + jj]
-            k_dst = ks[jj]
-            for d in range(DK):
-                k_dst[d] = to_f32(k_row[d])
-            v_row = v_plane[j0 + jj]
-            v_dst = vs[jj]
-            for d in range(DV):
-                v_dst[d] = to_f32(v_row[d])
+            _widen_row(k_plane[j0 + jj], ks[jj])
+            _widen_row(v_plane[j0 + jj], vs[jj])
 
         for hh in range(n_heads):
             kind, lo, hi = kinds[hh, 0], kinds[hh, 1], kinds[hh, 2]
@@ -278,15 +314,26 @@ def _task(q, k, v, mask, has_mask, slopes, sinks, has_sinks, scale, softcap, out
                 if softcap != 0.0:
                     for c in range(Q_TILE):
                         row[c] = softcap * np.tanh(row[c] * scale / softcap)
-                else:
-                    for c in range(Q_TILE):
-                        row[c] *= scale
+                    if kind != MASK_ADD:
+                        for c in range(Q_TILE):
+                            t_max[c] = max(t_max[c], row[c])
                 if kind == MASK_ADD:
                     m_row = mt[jj]
+                    if softcap != 0.0:
+                        for c in range(Q_TILE):
+                            x = row[c] + slope * m_row[c]
+                            row[c] = x
+                            t_max[c] = max(t_max[c], x)
+                    else:
+                        for c in range(Q_TILE):
+                            x = row[c] * scale + slope * m_row[c]
+                            row[c] = x
+                            t_max[c] = max(t_max[c], x)
+                elif softcap == 0.0:
                     for c in range(Q_TILE):
-                        row[c] += slope * m_row[c]
-                for c in range(Q_TILE):
-                    t_max[c] = max(t_max[c], row[c])
+                        x = row[c] * scale
+                        row[c] = x
+                        t_max[c] = max(t_max[c], x)
             m_h = m[c0:c0 + Q_TILE]
             l_h = l[c0:c0 + Q_TILE]
             a_h = alpha[c0:c0 + Q_TILE]
