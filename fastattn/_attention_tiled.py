@@ -191,44 +191,60 @@ MASK_SKIP, MASK_ZERO, MASK_ADD = 0, 1, 2  # a mask block: all -inf / all 0 / any
 
 @kernel
 def _scan_mask_row(seg, lo, hi, nonzero):
-    """Fold one mask row into (lo, hi, nonzero): the live (not -inf) KV range and whether any entry is not 0."""
+    """Fold one mask row into (lo, hi, nonzero): the live (not -inf) KV range and the count of entries not 0.
+    Branch-free, so it vectorises on a contiguous row."""
     n = seg.shape[0]
     for jj in range(n):
         x = to_f32(seg[jj])
         live = x != _NEG_INF
         lo = min(lo, jj if live else n)
         hi = max(hi, jj + 1 if live else 0)
-        nonzero = nonzero or x != 0.0
+        nonzero += x != 0.0
     return lo, hi, nonzero
 
 
 @kernel
-def _load_mask_block(plane, i0, nq, j0, nk, mt, info):
-    """Classify the mask block plane[i0:i0+nq, j0:j0+nk] into info = (kind, lo, hi): kind MASK_SKIP when every
-    entry is -inf, MASK_ZERO when every entry is 0, else MASK_ADD; [lo, hi) bounds the KV rows with a live entry
-    (rows outside it contribute exactly 0: the diagonal tiles of a causal mask are half dead). Only a MASK_ADD
-    block is copied, transposed like the scores, into mt[jj, ii]."""
-    lo = nk
-    hi = 0
-    nonzero = False
-    for ii in range(nq):
-        seg = plane[i0 + ii][j0:j0 + nk]
-        if seg.strides[0] == seg.itemsize:
-            lo, hi, nonzero = _scan_mask_row(_as_contiguous(seg), lo, hi, nonzero)
-        else:
-            lo, hi, nonzero = _scan_mask_row(seg, lo, hi, nonzero)
-    info[0] = MASK_SKIP if hi == 0 else (MASK_ADD if nonzero else MASK_ZERO)
-    info[1] = lo
-    info[2] = hi
-    if info[0] == MASK_ADD:
-        for ii in range(nq):
-            seg = plane[i0 + ii][j0:j0 + nk]
-            for jj in range(nk):
-                mt[jj, ii] = to_f32(seg[jj])
+def _classify_mask_blocks(mask, n_q, blocks):
+    """blocks[bm, hm, q tile, KV tile] = (kind, lo, hi) for every mask block: kind MASK_SKIP when every entry is
+    -inf, MASK_ZERO when every entry is 0, else MASK_ADD; [lo, hi) bounds the KV rows with a live entry (rows
+    outside it contribute exactly 0: the diagonal tiles of a causal mask are half dead). Done once per call, not
+    once per KV head."""
+    n_kv = mask.shape[3]
+    for bm in range(mask.shape[0]):
+        for hm in range(mask.shape[1]):
+            plane = mask[bm, hm]
+            for q_tile in range(blocks.shape[2]):
+                i0 = q_tile * Q_TILE
+                nq = min(Q_TILE, n_q - i0)
+                for kv_tile in range(blocks.shape[3]):
+                    j0 = kv_tile * KV_TILE
+                    nk = min(KV_TILE, n_kv - j0)
+                    lo = nk
+                    hi = 0
+                    nonzero = 0
+                    for ii in range(nq):
+                        seg = plane[i0 + ii][j0:j0 + nk]
+                        if seg.strides[0] == seg.itemsize:
+                            lo, hi, nonzero = _scan_mask_row(_as_contiguous(seg), lo, hi, nonzero)
+                        else:
+                            lo, hi, nonzero = _scan_mask_row(seg, lo, hi, nonzero)
+                    info = blocks[bm, hm, q_tile, kv_tile]
+                    info[0] = MASK_SKIP if hi == 0 else (MASK_ADD if nonzero else MASK_ZERO)
+                    info[1] = lo
+                    info[2] = hi
 
 
 @kernel
-def _task(q, k, v, mask, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+def _copy_mask_block(plane, i0, nq, j0, nk, mt):
+    """mt[jj, ii] = plane[i0 + ii, j0 + jj]: the mask block transposed like the scores."""
+    for ii in range(nq):
+        seg = plane[i0 + ii][j0:j0 + nk]
+        for jj in range(nk):
+            mt[jj, ii] = to_f32(seg[jj])
+
+
+@kernel
+def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
           b, g, h_first, n_heads, i0, qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds):
     """One task: Q rows i0 .. i0+Q_TILE of query heads h_first .. h_first+n_heads (all of KV head g)."""
     B, Hq, Nq, DK = q.shape
@@ -236,6 +252,7 @@ def _task(q, k, v, mask, has_mask, slopes, sinks, has_sinks, scale, softcap, out
     DV = v.shape[3]
     dv_pad = vs.shape[1]
     nq = min(Q_TILE, Nq - i0)
+    q_tile = i0 // Q_TILE
     row_blocks = -(-nq // BLOCK_ROWS)
     bk = b // (B // Bk)
     bm = b % mask.shape[0]
@@ -264,17 +281,11 @@ def _task(q, k, v, mask, has_mask, slopes, sinks, has_sinks, scale, softcap, out
         j0 = kv_tile * KV_TILE
         nk = min(KV_TILE, Nkv - j0)
         any_live = False
-        loaded_plane = -1  # the mask plane now in mt (shared by every head when the mask has one head)
         for hh in range(n_heads):
             h = h_first + hh
             info = kinds[hh]
             if has_mask:
-                hm = h % mask.shape[1]
-                if hm != loaded_plane:
-                    _load_mask_block(mask[bm, hm], i0, nq, j0, nk, mt, info)
-                    loaded_plane = hm
-                else:
-                    info[:] = kinds[hh - 1]
+                info[:] = blocks[bm, h % mask.shape[1], q_tile, kv_tile]
                 if not slopes[h] > 0.0:  # slope·(-inf) is -inf only for a positive slope: use every row
                     info[0] = MASK_ADD
                     info[1] = 0
@@ -292,6 +303,7 @@ def _task(q, k, v, mask, has_mask, slopes, sinks, has_sinks, scale, softcap, out
             _widen_row(k_plane[j0 + jj], ks[jj])
             _widen_row(v_plane[j0 + jj], vs[jj])
 
+        loaded_plane = -1  # the mask plane whose block is in mt (one for every head when the mask has one head)
         for hh in range(n_heads):
             kind, lo, hi = kinds[hh, 0], kinds[hh, 1], kinds[hh, 2]
             if kind == MASK_SKIP:
@@ -302,8 +314,8 @@ def _task(q, k, v, mask, has_mask, slopes, sinks, has_sinks, scale, softcap, out
                 for cb in range(c0, c0 + Q_TILE, BLOCK_COLS):
                     _block_scores(ks, qt, st, rb * BLOCK_ROWS, cb, DK)
             if kind == MASK_ADD and h % mask.shape[1] != loaded_plane:
-                loaded_plane = h % mask.shape[1]  # a later head's plane was loaded last: reload this one
-                _load_mask_block(mask[bm, loaded_plane], i0, nq, j0, nk, mt, kinds[hh])
+                loaded_plane = h % mask.shape[1]
+                _copy_mask_block(mask[bm, loaded_plane], i0, nq, j0, nk, mt)
             # Softmax over whole Q_TILE columns (padding columns of a short tile hold finite scores): loops of
             # a compile-time trip count vectorise without a scalar remainder.
             slope = slopes[h]
@@ -394,7 +406,7 @@ def _task_of(position, B, Hkv, n_head_blocks, n_q_tiles):
 
 
 @kernel
-def _run_slot(slot, n_slots, q, k, v, mask, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+def _run_slot(slot, n_slots, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
               qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds):
     """Every task dealt to ``slot``: rounds of ``n_slots`` tasks, forward in even rounds and backward in odd
     ones (a snake), so each slot gets a heavy and a light task in turn."""
@@ -412,30 +424,31 @@ def _run_slot(slot, n_slots, q, k, v, mask, has_mask, slopes, sinks, has_sinks, 
         b, g, head_block, q_tile = _task_of(position, B, Hkv, n_head_blocks, n_q_tiles)
         h_first = g * group + head_block * HEADS_PER_TASK
         n_heads = min(HEADS_PER_TASK, group - head_block * HEADS_PER_TASK)
-        _task(q, k, v, mask, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+        _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
               b, g, h_first, n_heads, q_tile * Q_TILE, qt[slot], ks[slot], vs[slot], st[slot], mt[slot],
               o[slot], m[slot], l[slot], alpha[slot], tile_max[slot], kinds[slot])
 
 
 @kernel
-def _run_serial(q, k, v, mask, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+def _run_serial(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
                 qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds):
-    _run_slot(0, 1, q, k, v, mask, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+    _run_slot(0, 1, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
               qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds)
 
 
 @kernel(parallel=True)
-def _run_parallel(q, k, v, mask, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+def _run_parallel(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
                   qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds):
     n_slots = qt.shape[0]
     for slot in prange(n_slots):
-        _run_slot(slot, n_slots, q, k, v, mask, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+        _run_slot(slot, n_slots, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
                   qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds)
 
 
 _NO_MASK = np.zeros((1, 1, 1, 1), np.float32)
+_NO_BLOCKS = np.zeros((1, 1, 1, 1, 3), np.int64)
 _NO_SINKS = np.zeros(1, np.float32)
-_USER_ARGS = 11  # q, k, v, mask, has_mask, slopes, sinks, has_sinks, scale, softcap, out; then the scratch
+_USER_ARGS = 12  # q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out; then scratch
 _entry_points: dict = {}
 
 
@@ -486,7 +499,13 @@ def run_tiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     o = np.zeros((n_slots, cols, dv_pad), np.float32)
     m, l, alpha, tile_max = (np.zeros((n_slots, cols), np.float32) for _ in range(4))
     kinds = np.zeros((n_slots, heads, 3), np.int64)  # per head: mask kind and live KV rows [lo, hi)
-    args = (q, k, v, _NO_MASK if mask is None else mask, mask is not None, slopes,
+    has_mask = mask is not None
+    if has_mask:
+        blocks = np.empty(mask.shape[:2] + (-(-Nq // Q_TILE), -(-Nkv // KV_TILE), 3), np.int64)
+        _entry_point(_classify_mask_blocks, (mask, Nq, blocks))(mask, Nq, blocks)
+    else:
+        mask, blocks = _NO_MASK, _NO_BLOCKS
+    args = (q, k, v, mask, blocks, has_mask, slopes,
             _NO_SINKS if sinks is None else sinks, sinks is not None, np.float32(scale), np.float32(softcap), out,
             qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds)
     _entry_point(_run_serial if n_slots == 1 else _run_parallel, args)(*args)
