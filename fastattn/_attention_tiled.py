@@ -1,35 +1,38 @@
 """The ``tiled`` attention path (prefill): FlashAttention's tiling on the CPU, as ggml's ``..._tiled`` does.
 
-Work is cut into tasks (batch b, KV head g, query-head block, Q tile). A task holds the Q rows of up to
+Work is cut into tasks (batch b, KV head g, block of query heads, Q tile). A task holds the Q rows of up to
 ``HEADS_PER_TASK`` query heads of one GQA group, ``Q_TILE`` rows each, and walks the KV rows ``KV_TILE`` at a time:
 
-    for each KV tile:
-        skip the tile for a head when its mask block is all -inf (causal prefill: about half the tiles)
-        widen K (transposed, Kt[d, j]) and V (V[j, d]) to float32 scratch once, for every head of the task
-        for each head of the task:
-            S  = Q_h Ktᵀ                        register-blocked 6 x 16 block product
-            s  = scale·S, softcap·tanh(s/softcap), + slope·mask          (exactly the reference's order)
-            M' = max(M, max_j s);  P = exp(s - M');  L = L·exp(M - M') + Σ P;  O = O·exp(M - M') + P V
+    every mask block is classified once per call (``_classify_mask_blocks``): all -inf / all 0 / other, and the
+    range [lo, hi) of KV rows with a live entry
+    for each KV tile of the task:
+        heads whose mask block is all -inf skip the tile (causal prefill: about half the tiles); if all do,
+        nothing is read
+        widen the K and V tiles to float32 scratch once, for every head of the task
+        for each live head, over the live KV rows lo .. hi only:
+            Sᵀ = K_tile · Q_hᵀ                      6 x 16 register-blocked block product
+            s  = scale·S, softcap·tanh(s/softcap), + slope·mask        (the reference's order)
+            M' = max(M, max_j s);  P = exp(s - M');  L = L·exp(M - M') + Σ P;  O = O·exp(M - M') + P·V
     sinks join L at the end; out = O / L, or 0 for a row whose every score (and sink) is -inf.
 
-Layout of a task's private float32 scratch (``Q_TILE_PAD`` = Q_TILE rounded up to the 6-row block):
+Layout of a thread slot's float32 scratch (C-contiguous; cols = heads·Q_TILE, head after head):
 
-    qs  (heads·Q_TILE_PAD, DK)    the task's Q rows, head after head (Q is never rounded to float16)
-    kt  (DK, KV_TILE)             K tile transposed, so a score block reads 16 consecutive keys per d
-    vs  (KV_TILE, DV_PAD)         V tile; DV_PAD = DV rounded up to 16, padding columns stay zero
-    s   (heads·Q_TILE_PAD, KV_TILE)  scores, then probabilities
-    o   (heads·Q_TILE_PAD, DV_PAD)   unnormalised output accumulator
-    m, l (heads·Q_TILE_PAD,)      running max and sum of exponentials
+    qt  (DK, cols)            the task's Q rows transposed (Q is never rounded to float16)
+    ks  (KV_TILE↑6, DK)       K tile;  vs (KV_TILE, DV↑16): V tile, padding columns zero
+    st  (KV_TILE↑6, cols)     scores, then probabilities, transposed: a KV row is contiguous over the queries,
+                              so the softmax runs along contiguous vectors of a compile-time length (Q_TILE)
+    mt  (KV_TILE, Q_TILE)     a mask block that needs adding, transposed like st
+    o   (cols, DV↑16)         unnormalised output rows;  m, l, alpha, tile_max (cols,): softmax state
 
-Both block products (Q·Ktᵀ and P·V) are C[rows, cols] (+)= A[rows, :k] B[:k, cols] with B row-major: the
-``_block_6x16`` intrinsic keeps a 6 x 16 block of C in twelve ymm registers for the whole k loop and issues one
-8-wide FMA per register per step (two B loads and six broadcasts per twelve FMAs), which is how sgemm reaches the
-FMA roof. Numba's own loops cannot hold vector accumulators across an outer loop, and BLAS (``np.dot``) called
-from every prange thread contends for OpenBLAS's own pool.
+Both products are C[6, 16] (+)= A[6, :k] B[:k, 16] with B row-major (``_block_scores``: ks · qt;
+``_block_values``: stᵀ · vs, with O's rescale by alpha folded into the load of C). They are intrinsics that keep
+the 6 x 16 block of C in twelve ymm registers for the whole k loop and issue twelve 8-wide FMAs per step against
+two B loads and six broadcasts, as sgemm kernels do. Numba's own loops cannot hold vector accumulators across an
+outer loop, and BLAS (``np.dot``) called from every prange thread contends for OpenBLAS's own thread pool.
 
 Threads: the tasks are ordered heaviest first (under a causal mask the last Q tiles see the most keys) and dealt
-to the threads in a snake order, each thread owning one scratch slot; a task's result never depends on the
-thread that runs it, so the output is bit-identical for any thread count.
+to the thread slots in a snake order, each slot owning its scratch; a task's result never depends on the slot
+that runs it, so the output is bit-identical for any thread count. docs/attention_tiled.md has the measurements.
 """
 from __future__ import annotations
 
@@ -44,9 +47,9 @@ from numba.extending import intrinsic
 from . import _threads
 from ._kernel import fast_exp, kernel, to_f32
 
-#: Query rows of one head per tile (a multiple of the 6-row register block).
+#: Query rows of one head per tile (a multiple of both register-block dimensions, 6 and 16).
 Q_TILE = 48
-#: Key/value rows per tile (a multiple of the 16-column register block).
+#: Key/value rows per tile.
 KV_TILE = 64
 #: At most this many query heads of a GQA group share one task (and one widened K/V tile): more would push the
 #: task's Q, S and O scratch out of L2.
