@@ -30,9 +30,10 @@ the 6 x 16 block of C in twelve ymm registers for the whole k loop and issue twe
 two B loads and six broadcasts, as sgemm kernels do. Numba's own loops cannot hold vector accumulators across an
 outer loop, and BLAS (``np.dot``) called from every prange thread contends for OpenBLAS's own thread pool.
 
-Threads: the tasks are ordered heaviest first (under a causal mask the last Q tiles see the most keys) and dealt
-to the thread slots in a snake order, each slot owning its scratch; a task's result never depends on the slot
-that runs it, so the output is bit-identical for any thread count. docs/attention_tiled.md has the measurements.
+Threads: one prange iteration per thread slot, each slot owning its scratch; the slots take tasks one at a time
+from a shared atomic counter, heaviest first (under a causal mask the last Q tiles see the most keys). A task's
+result never depends on the slot that runs it, so the output is bit-identical for any thread count.
+docs/attention_tiled.md has the measurements.
 """
 from __future__ import annotations
 
@@ -175,6 +176,19 @@ def _as_contiguous(typingctx, row):
         return impl_ret_borrowed(context, builder, result, args[0])  # layouts share one data model
 
     return result(row), codegen
+
+
+@intrinsic
+def _fetch_add(typingctx, counter):
+    """Atomically add 1 to counter[0] (an int64 array) and return its previous value."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
+        raise TypingError("_fetch_add: expected an int64 array")
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.atomic_rmw("add", data, ir.Constant(ir.IntType(64), 1), "monotonic")
+
+    return types.int64(counter), codegen
 
 
 @kernel
@@ -399,7 +413,7 @@ def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, soft
 @kernel
 def _task_of(position, B, Hkv, n_head_blocks, n_q_tiles):
     """(b, g, head block, Q tile) of task ``position``: Q tiles last to first, so the heaviest causal tiles are
-    dealt first."""
+    taken first (and the light ones fill the ends)."""
     per_tile = B * Hkv * n_head_blocks
     q_tile = n_q_tiles - 1 - position // per_tile
     rest = position % per_tile
@@ -409,21 +423,20 @@ def _task_of(position, B, Hkv, n_head_blocks, n_q_tiles):
 
 
 @kernel
-def _run_slot(slot, n_slots, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+def _run_slot(slot, next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
               qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds):
-    """Every task dealt to ``slot``: rounds of ``n_slots`` tasks, forward in even rounds and backward in odd
-    ones (a snake), so each slot gets a heavy and a light task in turn."""
-    slot = np.int64(slot)  # a prange index may arrive unsigned; mixed with int64 it would turn float
+    """Run tasks on thread slot ``slot``'s scratch until none is left: each takes the next task number from the
+    shared counter ``next_task`` (dynamic scheduling: a slot slowed down by another process simply runs fewer)."""
     B, Hq, Nq, _ = q.shape
     Hkv = k.shape[1]
     group = Hq // Hkv
     n_head_blocks = -(-group // HEADS_PER_TASK)
     n_q_tiles = -(-Nq // Q_TILE)
     n_tasks = B * Hkv * n_head_blocks * n_q_tiles
-    for rnd in range(-(-n_tasks // n_slots)):
-        position = rnd * n_slots + (slot if rnd % 2 == 0 else n_slots - 1 - slot)
+    while True:
+        position = _fetch_add(next_task)
         if position >= n_tasks:
-            continue
+            return
         b, g, head_block, q_tile = _task_of(position, B, Hkv, n_head_blocks, n_q_tiles)
         h_first = g * group + head_block * HEADS_PER_TASK
         n_heads = min(HEADS_PER_TASK, group - head_block * HEADS_PER_TASK)
@@ -433,25 +446,24 @@ def _run_slot(slot, n_slots, q, k, v, mask, blocks, has_mask, slopes, sinks, has
 
 
 @kernel
-def _run_serial(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+def _run_serial(next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
                 qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds):
-    _run_slot(0, 1, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+    _run_slot(0, next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
               qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds)
 
 
 @kernel(parallel=True)
-def _run_parallel(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+def _run_parallel(next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
                   qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds):
-    n_slots = qt.shape[0]
-    for slot in prange(n_slots):
-        _run_slot(slot, n_slots, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
-                  qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds)
+    for slot in prange(qt.shape[0]):
+        _run_slot(slot, next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap,
+                  out, qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds)
 
 
 _NO_MASK = np.zeros((1, 1, 1, 1), np.float32)
 _NO_BLOCKS = np.zeros((1, 1, 1, 1, 3), np.int64)
 _NO_SINKS = np.zeros(1, np.float32)
-_USER_ARGS = 12  # q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out; then scratch
+_USER_ARGS = 13  # next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out
 _entry_points: dict = {}
 
 
@@ -508,7 +520,8 @@ def run_tiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
         _entry_point(_classify_mask_blocks, (mask, Nq, blocks))(mask, Nq, blocks)
     else:
         mask, blocks = _NO_MASK, _NO_BLOCKS
-    args = (q, k, v, mask, blocks, has_mask, slopes,
+    next_task = np.zeros(1, np.int64)  # the task counter the thread slots share
+    args = (next_task, q, k, v, mask, blocks, has_mask, slopes,
             _NO_SINKS if sinks is None else sinks, sinks is not None, np.float32(scale), np.float32(softcap), out,
             qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds)
     _entry_point(_run_serial if n_slots == 1 else _run_parallel, args)(*args)
