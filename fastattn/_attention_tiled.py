@@ -1,0 +1,527 @@
+"""The ``tiled`` attention path (prefill): FlashAttention's tiling on the CPU, as ggml's ``..._tiled`` does.
+
+Work is cut into tasks (batch b, KV head g, block of query heads, Q tile). A task holds the Q rows of up to
+``HEADS_PER_TASK`` query heads of one GQA group, ``Q_TILE`` rows each, and walks the KV rows ``KV_TILE`` at a time:
+
+    every mask block is classified once per call (``_classify_mask_blocks``): all -inf / all 0 / other, and the
+    range [lo, hi) of KV rows with a live entry
+    for each KV tile of the task:
+        heads whose mask block is all -inf skip the tile (causal prefill: about half the tiles); if all do,
+        nothing is read
+        widen the K and V tiles to float32 scratch once, for every head of the task
+        for each live head, over the live KV rows lo .. hi only:
+            Sᵀ = K_tile · Q_hᵀ                      6 x 16 register-blocked block product
+            s  = scale·S, softcap·tanh(s/softcap), + slope·mask        (the reference's order)
+            M' = max(M, max_j s);  P = exp(s - M');  L = L·exp(M - M') + Σ P;  O = O·exp(M - M') + P·V
+    sinks join L at the end; out = O / L, or 0 for a row whose every score (and sink) is -inf.
+
+Layout of a thread slot's float32 scratch (C-contiguous; cols = heads·Q_TILE, head after head):
+
+    qt  (DK, cols)            the task's Q rows transposed (Q is never rounded to float16)
+    ks  (KV_TILE↑6, DK)       K tile;  vs (KV_TILE, DV↑16): V tile, padding columns zero
+    st  (KV_TILE↑6, cols)     scores, then probabilities, transposed: a KV row is contiguous over the queries,
+                              so the softmax runs along contiguous vectors of a compile-time length (Q_TILE)
+    mt  (KV_TILE, Q_TILE)     a mask block that needs adding, transposed like st
+    o   (cols, DV↑16)         unnormalised output rows;  m, l, alpha, tile_max (cols,): softmax state
+
+Both products are C[6, 16] (+)= A[6, :k] B[:k, 16] with B row-major (``_block_scores``: ks · qt;
+``_block_values``: stᵀ · vs, with O's rescale by alpha folded into the load of C). They are intrinsics that keep
+the 6 x 16 block of C in twelve ymm registers for the whole k loop and issue twelve 8-wide FMAs per step against
+two B loads and six broadcasts, as sgemm kernels do. Numba's own loops cannot hold vector accumulators across an
+outer loop, and BLAS (``np.dot``) called from every prange thread contends for OpenBLAS's own thread pool.
+
+Threads: one prange iteration per thread slot, each slot owning its scratch; the slots take tasks one at a time
+from a shared atomic counter, heaviest first (under a causal mask the last Q tiles see the most keys). A task's
+result never depends on the slot that runs it, so the output is bit-identical for any thread count.
+docs/attention_tiled.md has the measurements.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import prange, types
+from numba.core.errors import TypingError
+from numba.core.imputils import impl_ret_borrowed
+from numba.extending import intrinsic
+
+from . import _threads
+from ._kernel import fast_exp, kernel, to_f32
+
+#: Query rows of one head per tile (a multiple of both register-block dimensions, 6 and 16).
+Q_TILE = 48
+#: Key/value rows per tile.
+KV_TILE = 64
+#: At most this many query heads of a GQA group share one task (and one widened K/V tile): more would push the
+#: task's Q, S and O scratch out of L2.
+HEADS_PER_TASK = 4
+
+BLOCK_ROWS = 6  # register block of the products: 6 rows x 16 columns = 12 ymm accumulators
+BLOCK_COLS = 16
+assert Q_TILE % BLOCK_ROWS == 0 and Q_TILE % BLOCK_COLS == 0, "a Q tile is whole register blocks both ways"
+
+#: Work estimate for ``threads_for``: prefill is compute-bound, so FLOPs count as bytes at the ratio of this
+#: machine's DRAM bandwidth to its attainable FLOP rate (~10 GB/s : ~40 GFLOP/s).
+BYTES_PER_FLOP = 0.25
+
+_NEG_INF = np.float32(-np.inf)
+
+
+def _check_scratch(*arrays):
+    for arr in arrays:
+        if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and arr.layout == "C"):
+            raise TypingError("block product: every array must be a C-contiguous float32 array")
+
+
+def _block_codegen(a_transposed: bool, scaled_accumulate: bool):
+    """LLVM IR for one 6 x 16 block of C = A B (or C = alpha·C + A B), B row-major.
+
+    A[r, kk] is a[i + r, kk] (row-major) or, with ``a_transposed``, a[kk, i + r]; B[kk, col] is b[kk, j + col];
+    C[r, col] is c[i + r, j + col]; kk runs over 0 .. kdim. With ``scaled_accumulate`` the block of C is loaded,
+    multiplied by alpha[i + r] and accumulated into. Every array is a C-contiguous float32 scratch array.
+    """
+    n_arrays = 4 if scaled_accumulate else 3
+
+    def codegen(context, builder, signature, llargs):
+        i64 = ir.IntType(64)
+        i32 = ir.IntType(32)
+        v8 = ir.VectorType(ir.FloatType(), 8)
+        v8p = v8.as_pointer()
+        arrs = [context.make_array(t)(context, builder, v)
+                for t, v in zip(signature.args[:n_arrays], llargs[:n_arrays])]
+        row0, col0, k = (context.cast(builder, v, t, types.int64)
+                         for v, t in zip(llargs[n_arrays:], signature.args[n_arrays:]))
+        a, b, c = arrs[:3]
+        lda, ldb, ldc = (builder.extract_value(arr.shape, 1) for arr in (a, b, c))
+
+        def const(n):
+            return ir.Constant(i64, n)
+
+        def splat(x):
+            one = builder.insert_element(ir.Constant(v8, ir.Undefined), x, ir.Constant(i32, 0))
+            return builder.shuffle_vector(one, ir.Constant(v8, ir.Undefined), ir.Constant(ir.VectorType(i32, 8),
+                                                                                        [0] * 8))
+
+        rows = [builder.add(row0, const(r)) for r in range(BLOCK_ROWS)]
+        if a_transposed:
+            a_rows = [builder.gep(a.data, [r]) for r in rows]
+        else:
+            a_rows = [builder.gep(a.data, [builder.mul(r, lda)]) for r in rows]
+        c_ptrs = [[builder.bitcast(builder.gep(c.data, [builder.add(builder.mul(r, ldc),
+                                                                     builder.add(col0, const(8 * v)))]), v8p)
+                   for v in range(2)] for r in rows]
+        if scaled_accumulate:
+            start = []
+            for r, ptrs in zip(rows, c_ptrs):
+                scale = splat(builder.load(builder.gep(arrs[3].data, [r]), align=4))
+                start.append([builder.fmul(builder.load(p, align=4), scale) for p in ptrs])
+        else:
+            start = [[ir.Constant(v8, [0.0] * 8)] * 2 for _ in rows]
+        fma = builder.module.declare_intrinsic("llvm.fma.v8f32", (), ir.FunctionType(v8, [v8, v8, v8]))
+        entry = builder.basic_block
+        head = builder.append_basic_block("block.head")
+        body = builder.append_basic_block("block.body")
+        done = builder.append_basic_block("block.done")
+        builder.branch(head)
+        builder.position_at_end(head)
+        kk = builder.phi(i64)
+        kk.add_incoming(const(0), entry)
+        acc = [[builder.phi(v8) for _ in range(2)] for _ in rows]
+        for r in range(BLOCK_ROWS):
+            for v in range(2):
+                acc[r][v].add_incoming(start[r][v], entry)
+        builder.cbranch(builder.icmp_signed("<", kk, k), body, done)
+        builder.position_at_end(body)
+        b_row = builder.gep(b.data, [builder.add(builder.mul(kk, ldb), col0)])
+        bv = [builder.load(builder.bitcast(builder.gep(b_row, [const(8 * v)]), v8p), align=4) for v in range(2)]
+        a_offset = builder.mul(kk, lda) if a_transposed else kk
+        for r in range(BLOCK_ROWS):
+            x = splat(builder.load(builder.gep(a_rows[r], [a_offset]), align=4))
+            for v in range(2):
+                acc[r][v].add_incoming(builder.call(fma, [x, bv[v], acc[r][v]]), body)
+        kk.add_incoming(builder.add(kk, const(1)), body)
+        builder.branch(head)
+        builder.position_at_end(done)
+        for r in range(BLOCK_ROWS):
+            for v in range(2):
+                builder.store(acc[r][v], c_ptrs[r][v], align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def _block_scores(typingctx, ks, qt, st, i, j, kdim):
+    """st[i:i+6, j:j+16] = ks[i:i+6, :kdim] @ qt[:kdim, j:j+16]"""
+    _check_scratch(ks, qt, st)
+    return types.none(ks, qt, st, i, j, kdim), _block_codegen(a_transposed=False, scaled_accumulate=False)
+
+
+@intrinsic
+def _block_values(typingctx, st, vs, o, alpha, i, j, kdim):
+    """o[i:i+6, j:j+16] = alpha[i:i+6, None] * o[i:i+6, j:j+16] + st[:kdim, i:i+6].T @ vs[:kdim, j:j+16]"""
+    _check_scratch(st, vs, o, alpha)
+    return types.none(st, vs, o, alpha, i, j, kdim), _block_codegen(a_transposed=True, scaled_accumulate=True)
+
+
+@intrinsic
+def _as_contiguous(typingctx, row):
+    """The 1-D any-layout array ``row`` retyped as C-contiguous (same data, shape and stride). Only for a row
+    whose stride is its itemsize: then LLVM vectorises loops over it (a strided row cannot be)."""
+    if not (isinstance(row, types.Array) and row.ndim == 1):
+        raise TypingError("_as_contiguous: expected a 1-D array")
+    result = row.copy(layout="C")
+
+    def codegen(context, builder, signature, args):
+        return impl_ret_borrowed(context, builder, result, args[0])  # layouts share one data model
+
+    return result(row), codegen
+
+
+@intrinsic
+def _fetch_add(typingctx, counter):
+    """Atomically add 1 to counter[0] (an int64 array) and return its previous value."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
+        raise TypingError("_fetch_add: expected an int64 array")
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.atomic_rmw("add", data, ir.Constant(ir.IntType(64), 1), "monotonic")
+
+    return types.int64(counter), codegen
+
+
+@kernel
+def _widen_row(src, dst):
+    """dst[:n] = float32(src) for a row of any layout; contiguous rows take the vectorised loop."""
+    if src.strides[0] == src.itemsize:
+        contiguous = _as_contiguous(src)
+        for d in range(src.shape[0]):
+            dst[d] = to_f32(contiguous[d])
+    else:
+        for d in range(src.shape[0]):
+            dst[d] = to_f32(src[d])
+
+
+MASK_SKIP, MASK_ZERO, MASK_ADD = 0, 1, 2  # a mask block: all -inf / all 0 / anything else
+
+
+@kernel
+def _scan_mask_row(seg, lo, hi, nonzero):
+    """Fold one mask row into (lo, hi, nonzero): the live (not -inf) KV range and the count of entries not 0.
+    Branch-free, so it vectorises on a contiguous row."""
+    n = seg.shape[0]
+    for jj in range(n):
+        x = to_f32(seg[jj])
+        live = x != _NEG_INF
+        lo = min(lo, jj if live else n)
+        hi = max(hi, jj + 1 if live else 0)
+        nonzero += x != 0.0
+    return lo, hi, nonzero
+
+
+@kernel
+def _classify_mask_blocks(mask, n_q, blocks):
+    """blocks[bm, hm, q tile, KV tile] = (kind, lo, hi) for every mask block: kind MASK_SKIP when every entry is
+    -inf, MASK_ZERO when every entry is 0, else MASK_ADD; [lo, hi) bounds the KV rows with a live entry (rows
+    outside it contribute exactly 0: the diagonal tiles of a causal mask are half dead). Done once per call, not
+    once per KV head."""
+    n_kv = mask.shape[3]
+    for bm in range(mask.shape[0]):
+        for hm in range(mask.shape[1]):
+            plane = mask[bm, hm]
+            for q_tile in range(blocks.shape[2]):
+                i0 = q_tile * Q_TILE
+                nq = min(Q_TILE, n_q - i0)
+                for kv_tile in range(blocks.shape[3]):
+                    j0 = kv_tile * KV_TILE
+                    nk = min(KV_TILE, n_kv - j0)
+                    lo = nk
+                    hi = 0
+                    nonzero = 0
+                    for ii in range(nq):
+                        seg = plane[i0 + ii][j0:j0 + nk]
+                        if seg.strides[0] == seg.itemsize:
+                            lo, hi, nonzero = _scan_mask_row(_as_contiguous(seg), lo, hi, nonzero)
+                        else:
+                            lo, hi, nonzero = _scan_mask_row(seg, lo, hi, nonzero)
+                    info = blocks[bm, hm, q_tile, kv_tile]
+                    info[0] = MASK_SKIP if hi == 0 else (MASK_ADD if nonzero else MASK_ZERO)
+                    info[1] = lo
+                    info[2] = hi
+
+
+@kernel
+def _copy_mask_block(plane, i0, nq, j0, nk, mt):
+    """mt[jj, ii] = plane[i0 + ii, j0 + jj]: the mask block transposed like the scores."""
+    for ii in range(nq):
+        seg = plane[i0 + ii][j0:j0 + nk]
+        for jj in range(nk):
+            mt[jj, ii] = to_f32(seg[jj])
+
+
+@kernel
+def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+          b, g, h_first, n_heads, i0, qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds):
+    """One task: Q rows i0 .. i0+Q_TILE of query heads h_first .. h_first+n_heads (all of KV head g)."""
+    B, Hq, Nq, DK = q.shape
+    Bk, Hkv, Nkv, _ = k.shape
+    DV = v.shape[3]
+    dv_pad = vs.shape[1]
+    nq = min(Q_TILE, Nq - i0)
+    q_tile = i0 // Q_TILE
+    row_blocks = -(-nq // BLOCK_ROWS)
+    bk = b // (B // Bk)
+    bm = b % mask.shape[0]
+    k_plane = k[bk, g]
+    v_plane = v[bk, g]
+    n_cols = n_heads * Q_TILE
+
+    for d in range(DK):
+        qt[d, :n_cols] = 0.0  # padding columns of a short last Q tile give finite zero scores
+    for hh in range(n_heads):
+        q_plane = q[b, h_first + hh]
+        for ii in range(nq):
+            src = q_plane[i0 + ii]
+            c = hh * Q_TILE + ii
+            for d in range(DK):
+                qt[d, c] = src[d]
+    for jj in range(mt.shape[0]):
+        mt[jj, nq:] = 0.0  # mask of the padding columns: 0, so their scores stay finite
+    for c in range(n_cols):
+        m[c] = _NEG_INF
+        l[c] = 0.0
+        o[c, :] = 0.0
+
+    n_kv_tiles = -(-Nkv // KV_TILE)
+    for kv_tile in range(n_kv_tiles):
+        j0 = kv_tile * KV_TILE
+        nk = min(KV_TILE, Nkv - j0)
+        any_live = False
+        for hh in range(n_heads):
+            h = h_first + hh
+            info = kinds[hh]
+            if has_mask:
+                info[:] = blocks[bm, h % mask.shape[1], q_tile, kv_tile]
+                if not slopes[h] > 0.0:  # slope·(-inf) is -inf only for a positive slope: use every row
+                    info[0] = MASK_ADD
+                    info[1] = 0
+                    info[2] = nk
+            else:
+                info[0] = MASK_ZERO
+                info[1] = 0
+                info[2] = nk
+            any_live = any_live or info[0] != MASK_SKIP
+        if not any_live:
+            continue
+
+        # Widen the K and V tiles once for every head of the task.
+        for jj in range(nk):
+            _widen_row(k_plane[j0 + jj], ks[jj])
+            _widen_row(v_plane[j0 + jj], vs[jj])
+
+        loaded_plane = -1  # the mask plane whose block is in mt (one for every head when the mask has one head)
+        for hh in range(n_heads):
+            kind, lo, hi = kinds[hh, 0], kinds[hh, 1], kinds[hh, 2]
+            if kind == MASK_SKIP:
+                continue
+            h = h_first + hh
+            c0 = hh * Q_TILE
+            for rb in range(lo // BLOCK_ROWS, -(-hi // BLOCK_ROWS)):
+                for cb in range(c0, c0 + Q_TILE, BLOCK_COLS):
+                    _block_scores(ks, qt, st, rb * BLOCK_ROWS, cb, DK)
+            if kind == MASK_ADD and h % mask.shape[1] != loaded_plane:
+                loaded_plane = h % mask.shape[1]
+                _copy_mask_block(mask[bm, loaded_plane], i0, nq, j0, nk, mt)
+            # Softmax over whole Q_TILE columns (padding columns of a short tile hold finite scores): loops of
+            # a compile-time trip count vectorise without a scalar remainder.
+            slope = slopes[h]
+            t_max = tile_max[c0:c0 + Q_TILE]
+            t_max[:] = _NEG_INF
+            for jj in range(lo, hi):
+                row = st[jj, c0:c0 + Q_TILE]
+                if softcap != 0.0:
+                    for c in range(Q_TILE):
+                        row[c] = softcap * np.tanh(row[c] * scale / softcap)
+                    if kind != MASK_ADD:
+                        for c in range(Q_TILE):
+                            t_max[c] = max(t_max[c], row[c])
+                if kind == MASK_ADD:
+                    m_row = mt[jj]
+                    if softcap != 0.0:
+                        for c in range(Q_TILE):
+                            x = row[c] + slope * m_row[c]
+                            row[c] = x
+                            t_max[c] = max(t_max[c], x)
+                    else:
+                        for c in range(Q_TILE):
+                            x = row[c] * scale + slope * m_row[c]
+                            row[c] = x
+                            t_max[c] = max(t_max[c], x)
+                elif softcap == 0.0:
+                    for c in range(Q_TILE):
+                        x = row[c] * scale
+                        row[c] = x
+                        t_max[c] = max(t_max[c], x)
+            m_h = m[c0:c0 + Q_TILE]
+            l_h = l[c0:c0 + Q_TILE]
+            a_h = alpha[c0:c0 + Q_TILE]
+            for c in range(Q_TILE):
+                m_new = max(m_h[c], t_max[c])
+                live = m_new != _NEG_INF
+                a_h[c] = fast_exp(m_h[c] - m_new) if live else np.float32(1.0)  # 0 when m was -inf
+                t_max[c] = m_new if live else np.float32(0.0)  # the shift: exp(-inf - 0) = 0 for a dead row
+                m_h[c] = m_new
+                l_h[c] *= a_h[c]
+            for jj in range(lo, hi):
+                row = st[jj, c0:c0 + Q_TILE]
+                for c in range(Q_TILE):
+                    p = fast_exp(row[c] - t_max[c])
+                    row[c] = p
+                    l_h[c] += p
+            st_live = st[lo:]
+            vs_live = vs[lo:]
+            for rb in range(row_blocks):
+                for cb in range(0, dv_pad, BLOCK_COLS):
+                    _block_values(st_live, vs_live, o, alpha, c0 + rb * BLOCK_ROWS, cb, hi - lo)
+
+    for hh in range(n_heads):
+        h = h_first + hh
+        for ii in range(nq):
+            c = hh * Q_TILE + ii
+            m_row = m[c]
+            l_row = l[c]
+            acc = o[c]
+            if has_sinks:
+                sink = sinks[h]
+                m_all = max(m_row, sink)
+                if m_all != _NEG_INF:
+                    shrink = fast_exp(m_row - m_all)
+                    for d in range(DV):
+                        acc[d] *= shrink
+                    l_row = l_row * shrink + fast_exp(sink - m_all)
+                m_row = m_all
+            dst = out[b, i0 + ii, h]
+            if m_row == _NEG_INF:  # every score and the sink masked: zeros, as the reference
+                for d in range(DV):
+                    dst[d] = 0.0
+            else:
+                for d in range(DV):
+                    dst[d] = acc[d] / l_row
+
+
+@kernel
+def _task_of(position, B, Hkv, n_head_blocks, n_q_tiles):
+    """(b, g, head block, Q tile) of task ``position``: Q tiles last to first, so the heaviest causal tiles are
+    taken first (and the light ones fill the ends)."""
+    per_tile = B * Hkv * n_head_blocks
+    q_tile = n_q_tiles - 1 - position // per_tile
+    rest = position % per_tile
+    head_block = rest % n_head_blocks
+    rest //= n_head_blocks
+    return rest // Hkv, rest % Hkv, head_block, q_tile
+
+
+@kernel
+def _run_slot(slot, next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+              qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds):
+    """Run tasks on thread slot ``slot``'s scratch until none is left: each takes the next task number from the
+    shared counter ``next_task`` (dynamic scheduling: a slot slowed down by another process simply runs fewer)."""
+    B, Hq, Nq, _ = q.shape
+    Hkv = k.shape[1]
+    group = Hq // Hkv
+    n_head_blocks = -(-group // HEADS_PER_TASK)
+    n_q_tiles = -(-Nq // Q_TILE)
+    n_tasks = B * Hkv * n_head_blocks * n_q_tiles
+    while True:
+        position = _fetch_add(next_task)
+        if position >= n_tasks:
+            return
+        b, g, head_block, q_tile = _task_of(position, B, Hkv, n_head_blocks, n_q_tiles)
+        h_first = g * group + head_block * HEADS_PER_TASK
+        n_heads = min(HEADS_PER_TASK, group - head_block * HEADS_PER_TASK)
+        _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+              b, g, h_first, n_heads, q_tile * Q_TILE, qt[slot], ks[slot], vs[slot], st[slot], mt[slot],
+              o[slot], m[slot], l[slot], alpha[slot], tile_max[slot], kinds[slot])
+
+
+@kernel
+def _run_serial(next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+                qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds):
+    _run_slot(0, next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+              qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds)
+
+
+@kernel(parallel=True)
+def _run_parallel(next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+                  qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds):
+    for slot in prange(qt.shape[0]):
+        _run_slot(slot, next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap,
+                  out, qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds)
+
+
+_NO_MASK = np.zeros((1, 1, 1, 1), np.float32)
+_NO_BLOCKS = np.zeros((1, 1, 1, 1, 3), np.int64)
+_NO_SINKS = np.zeros(1, np.float32)
+_USER_ARGS = 13  # next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out
+_entry_points: dict = {}
+
+
+def _any_layout(t):
+    return t.copy(layout="A") if isinstance(t, types.Array) else t
+
+
+def _entry_point(driver, args):
+    """The compiled ``driver`` for these argument types, with the caller's arrays typed as any-layout ('A').
+
+    Numba would otherwise compile one specialisation per combination of contiguous and strided q, k, v, mask
+    and out (each a multi-second compile); the 'A' code reads contiguous arrays at the same speed here.
+    """
+    sig = tuple(_any_layout(numba.typeof(a)) if i < _USER_ARGS else numba.typeof(a) for i, a in enumerate(args))
+    key = (driver.py_func.__name__, sig)
+    entry = _entry_points.get(key)
+    if entry is None:
+        entry = _entry_points[key] = driver.compile(sig)
+    return entry
+
+
+def run_tiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, slopes: np.ndarray,
+              sinks: np.ndarray | None, scale: float, softcap: float, out: np.ndarray) -> None:
+    """Fill ``out`` (B, Nq, Hq, DV) float32 with attention computed tile by tile.
+
+    q (B, Hq, Nq, DK) float32; k (Bk, Hkv, Nkv, DK), v (Bk, Hkv, Nkv, DV) kernel views (float32, uint16 float16
+    bits, int16 bfloat16 bits); mask None or a (Bm, Hm, Nm >= Nq, Nkv) kernel view (float32 / uint16);
+    slopes (Hq,) float32; sinks None or (Hq,) float32; every argument may be strided (nothing is copied).
+    """
+    B, Hq, Nq, DK = q.shape
+    Bk, Hkv, Nkv, _ = k.shape
+    DV = v.shape[3]
+    group = Hq // Hkv
+    heads = min(group, HEADS_PER_TASK)
+    n_tasks = B * Hkv * -(-group // HEADS_PER_TASK) * -(-Nq // Q_TILE)
+    flops = 2.0 * B * Hq * Nq * Nkv * (DK + DV)
+    nbytes = q.nbytes + k.nbytes + v.nbytes + out.nbytes + (0 if mask is None else mask[..., :Nq, :].nbytes)
+    n_slots = min(_threads.threads_for(int(nbytes + BYTES_PER_FLOP * flops)), n_tasks)
+    dv_pad = -(-DV // BLOCK_COLS) * BLOCK_COLS
+    kv_pad = -(-KV_TILE // BLOCK_ROWS) * BLOCK_ROWS
+    cols = heads * Q_TILE
+    # Zero-filled: padding (rows of ks past a short tile, columns of vs past DV) is read but must stay finite.
+    qt = np.zeros((n_slots, DK, cols), np.float32)
+    ks = np.zeros((n_slots, kv_pad, DK), np.float32)
+    vs = np.zeros((n_slots, KV_TILE, dv_pad), np.float32)
+    st = np.zeros((n_slots, kv_pad, cols), np.float32)
+    mt = np.zeros((n_slots, KV_TILE, Q_TILE), np.float32)
+    o = np.zeros((n_slots, cols, dv_pad), np.float32)
+    m, l, alpha, tile_max = (np.zeros((n_slots, cols), np.float32) for _ in range(4))
+    kinds = np.zeros((n_slots, heads, 3), np.int64)  # per head: mask kind and live KV rows [lo, hi)
+    has_mask = mask is not None
+    if has_mask:
+        blocks = np.empty(mask.shape[:2] + (-(-Nq // Q_TILE), -(-Nkv // KV_TILE), 3), np.int64)
+        _entry_point(_classify_mask_blocks, (mask, Nq, blocks))(mask, Nq, blocks)
+    else:
+        mask, blocks = _NO_MASK, _NO_BLOCKS
+    next_task = np.zeros(1, np.int64)  # the task counter the thread slots share
+    args = (next_task, q, k, v, mask, blocks, has_mask, slopes,
+            _NO_SINKS if sinks is None else sinks, sinks is not None, np.float32(scale), np.float32(softcap), out,
+            qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds)
+    _entry_point(_run_serial if n_slots == 1 else _run_parallel, args)(*args)

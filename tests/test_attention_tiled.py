@@ -1,0 +1,241 @@
+"""The tiled attention path (``run_tiled``) against the float64 reference, under the SPEC's error rule.
+
+Shapes straddle the tile sizes (Nq around Q_TILE, Nkv around KV_TILE and 1), head sizes include 40, 72, 80,
+192/128 and 576/512, GQA ratios 1..8 and MQA, K/V batch broadcast, float32/float16/bfloat16 K/V, strided views
+with guard bands, every mask kind (none, causal, random -inf blocks, fully masked rows and tiles) broadcast over
+heads and batch, ALiBi, softcap, sinks, logits up to 1e4, 1 and 2 threads, concurrent Python callers.
+"""
+from __future__ import annotations
+
+import re
+import threading
+
+import numba
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fastattn
+from attention_cases import FLOOR, MASK_KINDS, make_mask, naive_f32
+from fastattn import _attention_tiled as tiled
+from fastattn._args.attention import alibi_slopes
+from fastattn._kernel import KERNEL_OPTIONS, kernel_view
+from fastattn._validate import FLOAT16, FLOAT32
+from fastattn.reference import flash_attn_ext
+from rules import assert_within_rule
+from strategies import float_dtypes, seeds, strided, thread_counts
+
+QT, KT = tiled.Q_TILE, tiled.KV_TILE
+
+
+def q_rows():
+    return st.sampled_from((1, 3, QT - 1, QT, QT + 1, 2 * QT + 5)) | st.integers(1, 2 * QT + 7)
+
+
+def kv_rows():
+    return st.sampled_from((1, 2, KT - 1, KT, KT + 1, 2 * KT + 3)) | st.integers(1, 3 * KT)
+
+
+def call_tiled(q, k, v, mask, *, scale, max_bias=0.0, logit_softcap=0.0, sinks=None, out=None):
+    """run_tiled with the public API's conversions (kernel views, 4-D mask, float32 slopes)."""
+    B, Hq, Nq, _ = q.shape
+    if out is None:
+        out = np.full((B, Nq, Hq, v.shape[3]), np.nan, np.float32)
+    if mask is not None:
+        mask = kernel_view(mask.reshape((1,) * (4 - mask.ndim) + mask.shape))
+    slopes = alibi_slopes(Hq, max_bias).astype(np.float32)
+    tiled.run_tiled(q, kernel_view(k), kernel_view(v), mask, slopes, sinks, scale, logit_softcap, out)
+    return out
+
+
+def check(q, k, v, mask, out=None, **params):
+    fast = call_tiled(q, k, v, mask, out=out, **params)
+    ref = flash_attn_ext(q, k, v, mask, out=np.empty(fast.shape), **params)
+    naive = naive_f32(q, k, v, mask, **params)
+    assert np.isfinite(fast).all()
+    assert_within_rule(fast, ref, naive, floor=FLOOR, what="tiled")
+    assert (fast[np.all(ref == 0, axis=-1)] == 0).all(), "a fully masked row must give exact zeros"
+    return fast
+
+
+@st.composite
+def attention_case(draw, head_sizes=((64, 64), (40, 40), (72, 72), (80, 80), (128, 128), (16, 24)),
+                   n_q=None, n_kv=None):
+    ratio = draw(st.integers(1, 8))
+    Hkv = draw(st.sampled_from((1, 2)))
+    Hq = ratio * Hkv
+    B = draw(st.sampled_from((1, 2)))
+    Bk = draw(st.sampled_from((1, B)))
+    DK, DV = draw(st.sampled_from(head_sizes))
+    Nq = draw(n_q if n_q is not None else q_rows())
+    Nkv = draw(n_kv if n_kv is not None else kv_rows())
+    kv_dtype = draw(float_dtypes)
+    big_logits = draw(st.booleans())
+    q_values = k_values = None
+    if big_logits:
+        # Logits near 1e4 turn every rounding of q·k into a visible change of the softmax weights, and the
+        # rule's float32 evaluation rounds differently: multiples of 1/8 make every q·k exact in both, so the
+        # check is about the softmax (no overflow, no NaN) and not about two equally valid roundings of q·k.
+        rng = np.random.default_rng(draw(seeds))
+        q_values = np.round(rng.standard_normal((B, Hq, Nq, DK)) * 8) / 8
+        k_values = np.round(rng.standard_normal((Bk, Hkv, Nkv, DK)) * 8) / 8
+    q = draw(strided((B, Hq, Nq, DK), FLOAT32, values=q_values))
+    k = draw(strided((Bk, Hkv, Nkv, DK), kv_dtype, values=k_values))
+    v = draw(strided((Bk, Hkv, Nkv, DV), kv_dtype))
+    kind = draw(st.sampled_from(MASK_KINDS))
+    mask = None
+    if kind != "none":
+        Bm = draw(st.sampled_from((1, B)))
+        Hm = draw(st.sampled_from(sorted({1, Hkv, Hq})))
+        Nm = Nq + draw(st.sampled_from((0, 0, 3)))  # ggml pads the mask's rows
+        rng = np.random.default_rng(draw(seeds))
+        values = make_mask(rng, kind, (Bm, Hm, Nm, Nkv), tile=(QT, KT))
+        mask = draw(strided((Bm, Hm, Nm, Nkv), draw(st.sampled_from((FLOAT32, FLOAT16))), values=values))
+    params = dict(scale=(1e4 if big_logits else 1.0) / np.sqrt(DK),
+                  max_bias=draw(st.sampled_from((0.0, 0.0, 8.0))),
+                  logit_softcap=draw(st.sampled_from((0.0, 0.0, 30.0))))
+    if draw(st.booleans()):
+        sinks = np.random.default_rng(draw(seeds)).standard_normal(Hq).astype(np.float32)
+        sinks[0] = draw(st.sampled_from((sinks[0], -np.inf, 20.0)))
+        params["sinks"] = sinks
+    out = draw(strided((B, Nq, Hq, DV), FLOAT32))
+    return q, k, v, mask, out, params
+
+
+def run_case(case, threads):
+    q, k, v, mask, out, params = case
+    mask_array = None if mask is None else mask.array
+    with fastattn.num_threads(threads):
+        fast = call_tiled(q.array, k.array, v.array, mask_array, out=out.array, **params)
+    ref = flash_attn_ext(q.array, k.array, v.array, mask_array, out=np.empty(fast.shape), **params)
+    naive = naive_f32(q.array, k.array, v.array, mask_array, **params)
+    assert np.isfinite(fast).all(), "NaN or inf in the output"
+    assert_within_rule(fast, ref, naive, floor=FLOOR, what="tiled")
+    assert (fast[np.all(ref == 0, axis=-1)] == 0).all(), "a fully masked row must give exact zeros"
+    out.assert_outside_unchanged()
+    for view in (q, k, v) + (() if mask is None else (mask,)):
+        view.assert_all_unchanged()
+
+
+@settings(max_examples=max(60, settings().max_examples))  # cheap examples: more than the profile's
+@given(attention_case(), thread_counts)
+def test_tiled_matches_reference(case, threads):
+    run_case(case, threads)
+
+
+@settings(max_examples=max(8, settings().max_examples // 3))  # big head sizes: fewer
+@given(attention_case(head_sizes=((192, 128), (576, 512)), n_q=st.integers(1, QT + 2),
+                      n_kv=st.sampled_from((1, 5, KT + 1))), thread_counts)
+def test_large_head_sizes(case, threads):
+    run_case(case, threads)
+
+
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+def test_causal_prefill_gqa(kv_dtype):
+    rng = np.random.default_rng(1)
+    B, Hq, Hkv, N, D = 1, 8, 2, 3 * QT + 1, 64
+    q = rng.standard_normal((B, Hq, N, D)).astype(np.float32)
+    k = rng.standard_normal((B, Hkv, N, D)).astype(kv_dtype)
+    v = rng.standard_normal((B, Hkv, N, D)).astype(kv_dtype)
+    mask = make_mask(rng, "causal", (N, N)).astype(np.float16)
+    for threads in (1, 2):
+        with fastattn.num_threads(threads):
+            check(q, k, v, mask, scale=D ** -0.5)
+
+
+def test_mixed_kv_dtypes():
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, 4, QT + 3, 40)).astype(np.float32)
+    k = rng.standard_normal((1, 2, KT + 9, 40)).astype(np.float16)
+    v = rng.standard_normal((1, 2, KT + 9, 24)).astype(np.float32)
+    check(q, k, v, make_mask(rng, "blocks", (QT + 3, KT + 9)).astype(np.float32), scale=0.2)
+
+
+def test_huge_logits_do_not_overflow():
+    rng = np.random.default_rng(3)
+    q = (np.round(rng.standard_normal((1, 2, 2 * QT, 32)) * 8) / 8).astype(np.float32)  # exact q·k: see
+    k = (np.round(rng.standard_normal((1, 1, 3 * KT, 32)) * 8) / 8).astype(np.float32)  # attention_case
+    v = rng.standard_normal((1, 1, 3 * KT, 32)).astype(np.float32)
+    for scale in (1e4 / np.sqrt(32), -1e4 / np.sqrt(32)):
+        check(q, k, v, None, scale=scale)
+        check(q, k, v, make_mask(rng, "tiles", (2 * QT, 3 * KT), tile=(QT, KT)).astype(np.float32), scale=scale)
+
+
+def test_fully_masked_tiles_are_never_read():
+    """A KV tile whose mask block is all -inf is skipped: NaN in its K/V rows cannot reach the output."""
+    rng = np.random.default_rng(4)
+    Nq, Nkv, D = 2 * QT, 3 * KT, 32
+    q = rng.standard_normal((1, 4, Nq, D)).astype(np.float32)
+    k = rng.standard_normal((1, 2, Nkv, D)).astype(np.float32)
+    v = rng.standard_normal((1, 2, Nkv, D)).astype(np.float32)
+    mask = rng.uniform(-1, 1, (Nq, Nkv)).astype(np.float32)
+    mask[:, KT:2 * KT] = -np.inf  # the middle KV tile, for every Q tile
+    mask[QT:, :] = -np.inf  # the second Q tile: every KV tile (fully masked rows)
+    poisoned_k, poisoned_v = k.copy(), v.copy()
+    poisoned_k[:, :, KT:2 * KT] = np.nan
+    poisoned_v[:, :, KT:2 * KT] = np.inf
+    expected = call_tiled(q, k, v, mask, scale=0.3)
+    for threads in (1, 2):
+        with fastattn.num_threads(threads):
+            got = call_tiled(q, poisoned_k, poisoned_v, mask, scale=0.3)
+        assert np.array_equal(got, expected)
+    assert (got[:, QT:] == 0).all()
+    check(q, k, v, mask, scale=0.3)
+
+
+def test_result_does_not_depend_on_thread_count():
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((2, 8, 2 * QT + 3, 64)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 2 * KT + 7, 64)).astype(np.float16)
+    v = rng.standard_normal((1, 2, 2 * KT + 7, 64)).astype(np.float16)
+    mask = make_mask(rng, "causal", (2 * QT + 3, 2 * KT + 7)).astype(np.float16)
+    with fastattn.num_threads(1):
+        one = call_tiled(q, k, v, mask, scale=0.125, max_bias=8.0)
+    with fastattn.num_threads(2):
+        two = call_tiled(q, k, v, mask, scale=0.125, max_bias=8.0)
+    assert np.array_equal(one, two)
+
+
+def test_concurrent_python_callers():
+    rng = np.random.default_rng(6)
+    jobs = []
+    for i in range(6):
+        q = rng.standard_normal((1, 8, QT + 5 * i, 64)).astype(np.float32)
+        k = rng.standard_normal((1, 2, KT + 11 * i, 64)).astype(np.float16)
+        v = rng.standard_normal((1, 2, KT + 11 * i, 64)).astype(np.float16)
+        mask = make_mask(rng, "causal", (QT + 5 * i, KT + 11 * i)).astype(np.float32)
+        jobs.append((q, k, v, mask, call_tiled(q, k, v, mask, scale=0.125)))
+    results = [None] * len(jobs)
+    errors = []
+
+    def work(i):
+        try:
+            q, k, v, mask, _ = jobs[i]
+            with fastattn.num_threads(1 + i % 2):
+                for _ in range(3):
+                    results[i] = call_tiled(q, k, v, mask, scale=0.125)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for (_, _, _, _, expected), got in zip(jobs, results):
+        assert np.array_equal(got, expected)
+
+
+def test_block_products_compile_to_ymm_fmas():
+    def products(ks, qt, st_, vs, o, alpha):
+        tiled._block_scores(ks, qt, st_, 0, 0, ks.shape[1])
+        tiled._block_values(st_, vs, o, alpha, 0, 0, st_.shape[0])
+
+    uncached = numba.njit(**dict(KERNEL_OPTIONS, cache=False))(products)  # cached code cannot be inspected
+    z = np.zeros
+    uncached(z((6, 8), np.float32), z((8, 16), np.float32), z((6, 16), np.float32), z((6, 16), np.float32),
+             z((6, 16), np.float32), z(6, np.float32))
+    asm = uncached.inspect_asm(uncached.signatures[0])
+    assert len(re.findall(r"vfmadd\w*ps\s+.*ymm", asm)) >= 24, "the 6 x 16 blocks did not compile to ymm FMAs"
