@@ -1,0 +1,484 @@
+"""RoPE: ``rope_ext`` (every ggml mode, YaRN, freq_factors, backward), a reusable cos/sin cache, and the fused
+``rope_set_rows`` that rotates K rows straight into a KV cache.
+
+Algorithm, in two passes:
+
+1. **The cache** (``rope_cache``): for every token n and rotated pair p, theta = pos[stream(p), n] · w[p] in
+   float64, where the per-pair factor w[p] = freq_base^(-2k/n_dims) / freq_factors[p] · (YaRN mix of freq_scale
+   and 1) and the stream/exponent map (MROPE/IMROPE/VISION sections) are computed once per parameter set
+   (``_pair_table``, memoised). cos/sin are taken in float64 by a vectorised polynomial after a three-part
+   Cody-Waite reduction (exact for |theta| < 1e9; larger angles fall back to libm), scaled by mscale
+   (and sin by -1 for backward), and stored as float32 (N, n_pairs) tables. This is once per (position, stream),
+   shared by all heads, and by Q and K when the caller keeps the cache for a decode step.
+2. **The rotation**: for every (batch, token, head) row, the row's rotated dims are widened into a private
+   float32 scratch row (which also makes in-place use safe and lets LLVM vectorise without aliasing doubts),
+   rotated with the token's cos/sin, narrowed and stored; dims past the rotated span are copied when out of
+   place and left alone in place. Pairing: NORMAL (2p, 2p+1); NEOX/MROPE/IMROPE (p, p + n_dims/2); VISION
+   (p, p + n_dims), covering the whole head.
+
+Layout: ``x`` (..., N, H, D) with any strides, e.g. Q = ``qkv[:, :H*D].reshape(N, H, D)`` of a fused projection
+output (a no-copy view), is read through its strides: leading axes are merged without a copy when NumPy can,
+otherwise looped over. float16 travels as uint16 bits (``_kernel.kernel_view``). The kernels run serially below
+``_threads.PARALLEL_MIN_BYTES`` and as a ``prange`` over tokens above it.
+
+``rope_set_rows`` is the same rotation with the output row of token i being ``dst[idx[i]]`` in the cache's dtype
+(float32, float16 or bfloat16, round to nearest even); on several threads, only the last of duplicate indices
+is written, so the last row wins as in ggml.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from decimal import Decimal, getcontext
+
+import numba
+import numpy as np
+from numba import prange, types
+from numba.core.errors import TypingError
+from numba.core.imputils import impl_ret_borrowed
+from numba.extending import intrinsic
+
+from . import _threads
+from ._args import rope as _args
+from ._kernel import KERNEL_OPTIONS, from_f32, kernel, kernel_view, to_f32
+from ._modes import RopeMode
+from ._validate import FLOAT16, FLOAT32, STORAGE_FLOATS
+
+# ---------------------------------------------------------------------------------------------------------------
+# float64 sin/cos that vectorise: Cody-Waite reduction by pi/2 split in three parts. The first two parts carry
+# 22 significant bits, so k·PIO2_1 and k·PIO2_2 are exact for |k| < 2**31 and the reduction is accurate to about
+# 1e-16 absolute for |theta| < LARGE_ANGLE; beyond it the cache falls back to libm (rare: |pos·w| > 1e9).
+getcontext().prec = 60
+_PIO2 = Decimal("1.57079632679489661923132169163975144209858469968755291048747229615390820314310449931401741267")
+
+
+def _leading_bits(value: Decimal, bits: int) -> float:
+    mantissa, exponent = math.frexp(float(value))
+    scale = Decimal(2) ** (bits - exponent)
+    return float((value * scale).to_integral_value(rounding="ROUND_FLOOR") / scale)
+
+
+_PIO2_1 = _leading_bits(_PIO2, 22)
+_PIO2_2 = _leading_bits(_PIO2 - Decimal(_PIO2_1), 22)
+_PIO2_3 = float(_PIO2 - Decimal(_PIO2_1) - Decimal(_PIO2_2))
+_TWO_OVER_PI = float(1 / _PIO2)
+LARGE_ANGLE = 1e9
+
+# The cache kernels must not reassociate: ((theta - k·P1) - k·P2) - k·P3 is only exact in that order.
+_ORDERED = dict(KERNEL_OPTIONS, fastmath={"contract", "nsz", "arcp"})
+
+
+@numba.njit(**_ORDERED)
+def _sincos(theta):
+    """(sin, cos) of float64 ``theta`` with |theta| < LARGE_ANGLE, error ~1e-15. Branch-free."""
+    k = np.floor(theta * _TWO_OVER_PI + 0.5)
+    r = ((theta - k * _PIO2_1) - k * _PIO2_2) - k * _PIO2_3
+    r2 = r * r
+    # Taylor series on [-pi/4, pi/4]: the first omitted terms are < 3e-14 (sin) and 1e-15 (cos).
+    sin_r = r + r * r2 * (-1.0 / 6 + r2 * (1.0 / 120 + r2 * (-1.0 / 5040 + r2 * (
+        1.0 / 362880 + r2 * (-1.0 / 39916800 + r2 * (1.0 / 6227020800))))))
+    cos_r = 1.0 + r2 * (-0.5 + r2 * (1.0 / 24 + r2 * (-1.0 / 720 + r2 * (1.0 / 40320 + r2 * (
+        -1.0 / 3628800 + r2 * (1.0 / 479001600 + r2 * (-1.0 / 87178291200)))))))
+    # quadrant k mod 4 kept in floating point: AVX2 has no packed float64 -> int64 conversion
+    quadrant = k - 4.0 * np.floor(k * 0.25)
+    swap = (quadrant == 1.0) | (quadrant == 3.0)
+    s = cos_r if swap else sin_r
+    c = sin_r if swap else cos_r
+    s = -s if quadrant >= 2.0 else s
+    c = -c if (quadrant == 1.0) | (quadrant == 2.0) else c
+    return s, c
+
+
+@numba.njit(**_ORDERED)
+def _cache_row(pos, n, streams, w, cos_scale, sin_scale, cos_row, sin_row, theta):
+    for p in range(w.shape[0]):  # the gather of each pair's stream, apart so the next loop vectorises
+        theta[p] = pos[streams[p], n] * w[p]
+    for p in range(w.shape[0]):
+        s, c = _sincos(theta[p])
+        cos_row[p] = np.float32(c * cos_scale)
+        sin_row[p] = np.float32(s * sin_scale)
+    for p in range(w.shape[0]):  # rare: angles the reduction cannot take exactly
+        if abs(theta[p]) >= LARGE_ANGLE:
+            cos_row[p] = np.float32(math.cos(theta[p]) * cos_scale)
+            sin_row[p] = np.float32(math.sin(theta[p]) * sin_scale)
+
+
+@numba.njit(**_ORDERED)
+def _build_cache_serial(pos, streams, w, cos_scale, sin_scale, cos, sin):
+    theta = np.empty(w.shape[0])
+    for n in range(cos.shape[0]):
+        _cache_row(pos, n, streams, w, cos_scale, sin_scale, cos[n], sin[n], theta)
+
+
+@numba.njit(parallel=True, **_ORDERED)
+def _build_cache_parallel(pos, streams, w, cos_scale, sin_scale, cos, sin):
+    for n in prange(cos.shape[0]):
+        theta = np.empty(w.shape[0])
+        _cache_row(pos, n, streams, w, cos_scale, sin_scale, cos[n], sin[n], theta)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rotation kernels. Helpers are inlined into the drivers (a call per head row costs as much as its work).
+_INLINE = dict(KERNEL_OPTIONS, inline="always")
+
+
+@intrinsic
+def _assume_contiguous(typingctx, row):
+    """Retype a 1-D 'A' array whose stride is its itemsize as 'C' (same data model, nothing copied), so that
+    LLVM sees unit stride and vectorises. The caller checks the stride."""
+    if not (isinstance(row, types.Array) and row.ndim == 1):
+        raise TypingError("expected a 1-D array")
+
+    def codegen(context, builder, signature, args):
+        return impl_ret_borrowed(context, builder, signature.return_type, args[0])
+
+    return row.copy(layout="C")(row), codegen
+
+
+@numba.njit(**_INLINE)
+def _rotate_in_place(row, cos, sin, n_pairs, interleaved):
+    """Rotate the pairs of ``row`` (D,) in place with one token's cos/sin (each pair is read before written)."""
+    if interleaved:
+        for p in range(n_pairs):
+            a = to_f32(row[2 * p])
+            b = to_f32(row[2 * p + 1])
+            row[2 * p] = from_f32(a * cos[p] - b * sin[p], row)
+            row[2 * p + 1] = from_f32(a * sin[p] + b * cos[p], row)
+    else:
+        first = row[:n_pairs]
+        second = row[n_pairs:2 * n_pairs]
+        for p in range(n_pairs):
+            a = to_f32(first[p])
+            b = to_f32(second[p])
+            first[p] = from_f32(a * cos[p] - b * sin[p], row)
+            second[p] = from_f32(a * sin[p] + b * cos[p], row)
+
+
+@numba.njit(**_INLINE)
+def _rope_row(src, dst, cos, sin, n_pairs, interleaved, in_place):
+    """dst = rope(src) for one head row, same element type: out of place, copy the whole row (tail included)
+    then rotate dst in place; two passes over L1-resident data, each vectorised when the rows are contiguous."""
+    if not in_place:
+        for j in range(src.shape[0]):
+            dst[j] = src[j]
+    _rotate_in_place(dst, cos, sin, n_pairs, interleaved)
+
+
+@numba.njit(**_INLINE)
+def _rope_head(src, dst, cos, sin, n_pairs, interleaved, in_place):
+    if src.strides[0] == src.itemsize and dst.strides[0] == dst.itemsize:
+        _rope_row(_assume_contiguous(src), _assume_contiguous(dst), cos, sin, n_pairs, interleaved, in_place)
+    else:
+        _rope_row(src, dst, cos, sin, n_pairs, interleaved, in_place)
+
+
+@numba.njit(**_INLINE)
+def _rope_token(x, out, n, cos, sin, n_pairs, interleaved, in_place):
+    for b in range(x.shape[0]):
+        xb = x[b, n]
+        ob = out[b, n]
+        for h in range(xb.shape[0]):
+            _rope_head(xb[h], ob[h], cos, sin, n_pairs, interleaved, in_place)
+
+
+@kernel
+def _rope_serial(x, out, cos, sin, n_pairs, interleaved, in_place):
+    """x, out: (B, N, H, D), same dtype (out may be x); cos, sin: (N, n_pairs) float32."""
+    for n in range(x.shape[1]):
+        _rope_token(x, out, n, cos[n], sin[n], n_pairs, interleaved, in_place)
+
+
+@kernel(parallel=True)
+def _rope_parallel(x, out, cos, sin, n_pairs, interleaved, in_place):
+    for n in prange(x.shape[1]):
+        _rope_token(x, out, n, cos[n], sin[n], n_pairs, interleaved, in_place)
+
+
+@numba.njit(**_INLINE)
+def _convert_row(src, dst, cos, sin, n_pairs, interleaved, scratch):
+    """dst = rope(src) when the element types differ (K float32 -> float16 cache): widen the rotated dims into
+    a float32 scratch row, rotate there, narrow once (rounding only the final value); convert the tail."""
+    span = 2 * n_pairs
+    for j in range(span):
+        scratch[j] = to_f32(src[j])
+    _rotate_in_place(scratch, cos, sin, n_pairs, interleaved)
+    for j in range(span):
+        dst[j] = from_f32(scratch[j], dst)
+    src_tail = src[span:]
+    dst_tail = dst[span:]
+    for j in range(src_tail.shape[0]):
+        dst_tail[j] = from_f32(to_f32(src_tail[j]), dst)
+
+
+@numba.njit(**_INLINE)
+def _set_row(x, dst, i, row, cos, sin, n_pairs, interleaved, scratch):
+    xi = x[i]
+    di = dst[row]
+    for h in range(xi.shape[0]):
+        src = xi[h]
+        out = di[h]
+        if src.strides[0] == src.itemsize and out.strides[0] == out.itemsize:
+            _convert_row(_assume_contiguous(src), _assume_contiguous(out), cos, sin, n_pairs, interleaved, scratch)
+        else:
+            _convert_row(src, out, cos, sin, n_pairs, interleaved, scratch)
+
+
+@kernel
+def _set_rows_serial(x, dst, idx, cos, sin, n_pairs, interleaved):
+    """x: (N, H, D) K rows; dst: (R, H, D) cache; token i goes to dst[idx[i]], in order (last duplicate wins)."""
+    scratch = np.empty(2 * n_pairs, np.float32)
+    for i in range(x.shape[0]):
+        _set_row(x, dst, i, idx[i], cos[i], sin[i], n_pairs, interleaved, scratch)
+
+
+@kernel(parallel=True)
+def _set_rows_parallel(x, dst, idx, keep, cos, sin, n_pairs, interleaved):
+    """As ``_set_rows_serial`` over tokens in parallel; only tokens with ``keep`` (last of their index) write."""
+    for i in prange(x.shape[0]):
+        if keep[i]:
+            scratch = np.empty(2 * n_pairs, np.float32)
+            _set_row(x, dst, i, idx[i], cos[i], sin[i], n_pairs, interleaved, scratch)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-pair tables: which stream each pair reads and its float64 angle factor. Position-independent: memoised.
+def _c_max(a, b):
+    return a if a > b else b  # C's MAX macro, as ggml uses it (NaN-propagation included)
+
+
+def _c_min(a, b):
+    return a if a < b else b
+
+
+def _yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow) -> tuple[float, float]:
+    """ggml_rope_yarn_corr_dims in float32 (its floor/ceil decide integer boundaries, so follow ggml's rounding)."""
+    f32 = np.float32
+    log_base = f32(2) * np.log(f32(freq_base))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        start = np.floor(f32(n_dims) * np.log(f32(n_ctx_orig) / (f32(beta_fast) * f32(2) * f32(np.pi))) / log_base)
+        end = np.ceil(f32(n_dims) * np.log(f32(n_ctx_orig) / (f32(beta_slow) * f32(2) * f32(np.pi))) / log_base)
+    return float(_c_max(f32(0), start)), float(_c_min(f32(n_dims - 1), end))
+
+
+@dataclass(frozen=True)
+class _PairTable:
+    streams: np.ndarray  # int64 (n_pairs,): 0..3 = t, h, w, e
+    w: np.ndarray  # float64 (n_pairs,): theta = pos * w
+    cos_scale: float  # mscale
+    sin_scale: float  # mscale, negated for backward
+
+
+def _pair_streams(mode: RopeMode, sections, n_pairs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stream and frequency exponent of every pair (ggml_mrope_cache_init's section logic, vectorised)."""
+    pairs = np.arange(n_pairs)
+    if sections is None:
+        return np.zeros(n_pairs, np.int64), pairs
+    s0, s1, s2, _ = sections
+    sector = pairs % sum(sections)
+    if mode == RopeMode.IMROPE:
+        streams = np.select([(sector % 3 == 1) & (sector < 3 * s1), (sector % 3 == 2) & (sector < 3 * s2),
+                             (sector % 3 == 0) & (sector < 3 * s0)], [1, 2, 0], 3)
+    else:
+        streams = np.select([sector < s0, sector < s0 + s1, sector < s0 + s1 + s2], [0, 1, 2], 3)
+    exponents = pairs
+    if mode == RopeMode.VISION:
+        # Each stream's exponent restarts at its section's first sector; ggml tests t, h, w, e in order, so a
+        # stream whose start coincides with an earlier one's (an empty section before it) never restarts.
+        starts = [0, s0, s0 + s1, s0 + s1 + s2]
+        since_restart = np.empty((4, n_pairs), np.int64)
+        for s, start in enumerate(starts):
+            restarts = (sector == start) & (starts.index(start) == s)
+            since_restart[s] = pairs - np.maximum.accumulate(np.where(restarts, pairs, 0))
+        exponents = since_restart[streams, pairs]
+    return streams.astype(np.int64), exponents
+
+
+@functools.lru_cache(maxsize=256)
+def _pair_table_cached(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast,
+                       beta_slow, freq_factors_bytes, sections, backward) -> _PairTable:
+    n_pairs = n_dims if mode == RopeMode.VISION else n_dims // 2
+    streams, exponents = _pair_streams(mode, sections, n_pairs)
+    inv_freq = freq_base ** (-2.0 * exponents / n_dims)
+    if freq_factors_bytes is not None:
+        inv_freq = inv_freq / np.frombuffer(freq_factors_bytes, np.float64)
+    scale = np.full(n_pairs, freq_scale)
+    mscale = attn_factor
+    if ext_factor != 0:
+        low, high = _yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
+        ramp = np.array([1.0 - _c_min(1.0, _c_max(0.0, (p - low) / _c_max(0.001, high - low)))
+                         for p in range(n_pairs)])
+        mix = ramp * ext_factor
+        scale = freq_scale * (1 - mix) + mix  # theta = extrap·(freq_scale·(1 - mix) + mix)
+        mscale *= 1.0 + 0.1 * math.log(1.0 / freq_scale)
+    w = np.ascontiguousarray(inv_freq * scale, np.float64)
+    for a in (streams, w):
+        a.flags.writeable = False
+    return _PairTable(streams, w, mscale, -mscale if backward else mscale)
+
+
+def _pair_table(p: _args.RopeParams) -> _PairTable:
+    ff = None if p.freq_factors is None else p.freq_factors.tobytes()
+    return _pair_table_cached(p.n_dims, p.mode, p.freq_base, p.freq_scale, p.n_ctx_orig, p.ext_factor,
+                              p.attn_factor, p.beta_fast, p.beta_slow, ff, p.sections, p.backward)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public API.
+@dataclass(frozen=True, eq=False)
+class RopeCache:
+    """cos and sin (N, n_pairs) float32 for N tokens, scaled by mscale (sin negated for backward).
+
+    Build with ``rope_cache`` once per step; ``apply_rope_cache(q, cache)`` and ``apply_rope_cache(k, cache)``
+    then skip all angle work."""
+
+    cos: np.ndarray
+    sin: np.ndarray
+    params: _args.RopeParams
+    n_pairs: int
+    interleaved: bool  # NORMAL: pairs (2p, 2p+1); otherwise (p, p + n_pairs)
+    min_head_dim: int  # D must be >= this (VISION: == this)
+    exact_head_dim: bool
+
+
+def _build_cache(pos: np.ndarray, params: _args.RopeParams) -> RopeCache:
+    table = _pair_table(params)
+    n_tokens = pos.shape[1]
+    cos = np.empty((n_tokens, params.n_pairs), np.float32)
+    sin = np.empty((n_tokens, params.n_pairs), np.float32)
+    # ~40 float64 flops per pair: parallel only when there are many tokens
+    if n_tokens >= 64 and _threads.threads_for(n_tokens * params.n_pairs * 64) > 1:
+        _build_cache_parallel(pos, table.streams, table.w, table.cos_scale, table.sin_scale, cos, sin)
+    else:
+        _build_cache_serial(pos, table.streams, table.w, table.cos_scale, table.sin_scale, cos, sin)
+    vision = params.mode == RopeMode.VISION
+    return RopeCache(cos, sin, params, params.n_pairs, params.mode == RopeMode.NORMAL,
+                     2 * params.n_dims if vision else params.n_dims, vision)
+
+
+def rope_cache(pos: np.ndarray, *, n_dims: int, mode: int, freq_base: float = 10000.0, freq_scale: float = 1.0,
+               n_ctx_orig: int = 0, ext_factor: float = 0.0, attn_factor: float = 1.0, beta_fast: float = 32.0,
+               beta_slow: float = 1.0, freq_factors: np.ndarray | None = None, sections=None,
+               backward: bool = False) -> RopeCache:
+    """The cos/sin tables of ``rope_ext`` for positions ``pos`` ((N,), or (4, N) for MROPE/IMROPE/VISION).
+
+    Parameters as ``rope_ext``. Apply to any number of tensors with the same positions (Q and K) with
+    ``apply_rope_cache``."""
+    params = _args.parse_params(n_dims=n_dims, mode=mode, freq_base=freq_base, freq_scale=freq_scale,
+                                n_ctx_orig=n_ctx_orig, ext_factor=ext_factor, attn_factor=attn_factor,
+                                beta_fast=beta_fast, beta_slow=beta_slow, freq_factors=freq_factors,
+                                sections=sections, backward=backward)
+    return _build_cache(_args.parse_pos(pos, params), params)
+
+
+def _as_4d(a: np.ndarray) -> np.ndarray | None:
+    """(..., N, H, D) as (B, N, H, D) without a copy, or None when the leading axes cannot merge."""
+    if a.ndim == 3:
+        return a[None]
+    if a.ndim == 4:
+        return a
+    try:
+        return a.reshape((-1,) + a.shape[-3:], copy=False)
+    except ValueError:
+        return None
+
+
+def _apply(x: np.ndarray, out: np.ndarray, cache: RopeCache) -> None:
+    x4 = _as_4d(x)
+    out4 = _as_4d(out)
+    if x4 is None or out4 is None:  # leading axes that do not merge: one call per leading index, no copy
+        for index in np.ndindex(*x.shape[:-4]):
+            _apply(x[index], out[index], cache)
+        return
+    in_place = out is x
+    xk = kernel_view(x4)
+    ok = xk if in_place else kernel_view(out4)
+    nbytes = 2 * x.nbytes
+    # (the size test first: asking for the thread count costs ~1 us, as much as a decode-sized rotation)
+    if nbytes >= _threads.PARALLEL_MIN_BYTES and x4.shape[1] > 1 and _threads.threads_for(nbytes) > 1:
+        _rope_parallel(xk, ok, cache.cos, cache.sin, cache.n_pairs, cache.interleaved, in_place)
+    else:
+        _rope_serial(xk, ok, cache.cos, cache.sin, cache.n_pairs, cache.interleaved, in_place)
+
+
+def apply_rope_cache(x: np.ndarray, cache: RopeCache, *, out: np.ndarray | None = None) -> np.ndarray:
+    """Rotate ``x`` (..., N, H, D), float32 or float16, any strides, by a prebuilt ``cache`` of N tokens.
+
+    ``out``: None (a new array of ``x``'s dtype), ``x`` itself (in place; dims past the rotated ones untouched),
+    or an array of ``x``'s shape and dtype, possibly strided. Returns the array written."""
+    if type(cache) is not RopeCache:
+        raise TypeError(f"cache must be a RopeCache from fastattn.rope_cache, got {type(cache).__name__}")
+    # The checks of _args, inlined for the common case (a decode step calls this twice per layer).
+    if type(x) is not np.ndarray or (x.dtype is not FLOAT32 and x.dtype != FLOAT16) or x.ndim < 3:
+        _args.parse_x(x)
+    shape = x.shape
+    d = shape[-1]
+    if d != cache.min_head_dim and (cache.exact_head_dim or d < cache.min_head_dim):
+        cache.params.check_head_dim("x", d)
+    if shape[-3] != cache.cos.shape[0]:
+        raise ValueError(f"x must have one token per cached position: {cache.cos.shape[0]}, got {shape[-3]}")
+    if out is None:
+        out = np.empty(shape, x.dtype)
+    elif out is not x:
+        _args.parse_out(out, x, dtypes=(x.dtype,))
+    elif not x.flags.writeable:
+        raise ValueError("out (x, in place) must be writeable")
+    _apply(x, out, cache)
+    return out
+
+
+def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_base: float = 10000.0,
+             freq_scale: float = 1.0, n_ctx_orig: int = 0, ext_factor: float = 0.0, attn_factor: float = 1.0,
+             beta_fast: float = 32.0, beta_slow: float = 1.0, freq_factors: np.ndarray | None = None,
+             sections=None, backward: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+    """Rotary position embedding with ggml's semantics.
+
+    x: (..., N, H, D) float32 or float16, any strides. pos: int32 (N,), or (4, N) (streams t, h, w, e) for
+    ROPE_MROPE / ROPE_IMROPE / ROPE_VISION. n_dims: rotated dims (even, <= D; VISION: D/2). mode: a ROPE_*
+    constant. freq_factors: (n_pairs,) divisors of theta (llama3 scaling). sections: 4 ints for the
+    multi-position modes. backward: the inverse rotation. out: None, ``x`` (in place) or an array like ``x``.
+    Returns the rotated array, ``x``'s dtype."""
+    params = _args.parse_params(n_dims=n_dims, mode=mode, freq_base=freq_base, freq_scale=freq_scale,
+                                n_ctx_orig=n_ctx_orig, ext_factor=ext_factor, attn_factor=attn_factor,
+                                beta_fast=beta_fast, beta_slow=beta_slow, freq_factors=freq_factors,
+                                sections=sections, backward=backward)
+    _args.parse_x(x)
+    params.check_head_dim("x", x.shape[-1])
+    pos = _args.parse_pos(pos, params, x.shape[-3])
+    out = _args.parse_out(out, x, dtypes=(x.dtype,))
+    if out is x and not x.flags.writeable:
+        raise ValueError("out (x, in place) must be writeable")
+    return apply_rope_cache(x, _build_cache(pos, params), out=out)
+
+
+def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarray, *, n_dims: int, mode: int,
+                  freq_base: float = 10000.0, freq_scale: float = 1.0, n_ctx_orig: int = 0,
+                  ext_factor: float = 0.0, attn_factor: float = 1.0, beta_fast: float = 32.0,
+                  beta_slow: float = 1.0, freq_factors: np.ndarray | None = None, sections=None,
+                  backward: bool = False) -> np.ndarray:
+    """Fused ``set_rows(dst, rope_ext(x, pos, ...), idx)``: rotate K rows and write them into a KV cache.
+
+    dst: (R, H, D) or (R, H·D) float32 / float16 / bfloat16 cache (token-major). x: (N, H, D) float32 or
+    float16, any strides. idx: int32/int64 (N,) rows of ``dst``, each in [0, R) (else ValueError, nothing
+    written); duplicates: the last wins. Returns ``dst``."""
+    params = _args.parse_params(n_dims=n_dims, mode=mode, freq_base=freq_base, freq_scale=freq_scale,
+                                n_ctx_orig=n_ctx_orig, ext_factor=ext_factor, attn_factor=attn_factor,
+                                beta_fast=beta_fast, beta_slow=beta_slow, freq_factors=freq_factors,
+                                sections=sections, backward=backward)
+    dst3, idx = _args.parse_set_rows(dst, x, idx, params, dst_dtypes=STORAGE_FLOATS)
+    pos = _args.parse_pos(pos, params, x.shape[0])
+    n_tokens = x.shape[0]
+    if n_tokens == 0:
+        return dst
+    cache = _build_cache(pos, params)
+    xk = kernel_view(x)
+    dk = kernel_view(dst3)
+    nbytes = x.nbytes + n_tokens * dst3[0].nbytes
+    if n_tokens > 1 and _threads.threads_for(nbytes) > 1:
+        keep = np.zeros(n_tokens, np.bool_)
+        _, last_from_end = np.unique(idx[::-1], return_index=True)
+        keep[n_tokens - 1 - last_from_end] = True
+        _set_rows_parallel(xk, dk, idx, keep, cache.cos, cache.sin, cache.n_pairs, cache.interleaved)
+    else:
+        _set_rows_serial(xk, dk, idx, cache.cos, cache.sin, cache.n_pairs, cache.interleaved)
+    return dst
