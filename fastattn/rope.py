@@ -41,7 +41,7 @@ from numba.extending import intrinsic
 
 from . import _threads
 from ._args import rope as _args
-from ._kernel import KERNEL_OPTIONS, from_f32, kernel, kernel_view, to_f32
+from ._kernel import KERNEL_OPTIONS, from_f32, kernel_view, to_f32
 from ._modes import RopeMode
 from ._validate import FLOAT16, FLOAT32, STORAGE_FLOATS
 
@@ -120,7 +120,11 @@ def _build_cache_parallel(pos, streams, w, cos_scale, sin_scale, cos, sin):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Rotation kernels. Helpers are inlined into the drivers (a call per head row costs as much as its work).
-_INLINE = dict(KERNEL_OPTIONS, inline="always")
+# No FMA contraction or reassociation here: a*c - b*s could contract either way, differently in the vectorised
+# body, the scalar remainder and the serial and parallel builds; with every product rounded on its own the
+# result is bit-identical across layouts and thread counts (and the op stays memory-bound).
+_EXACT = dict(KERNEL_OPTIONS, fastmath={"nsz", "arcp"})
+_INLINE = dict(_EXACT, inline="always")
 
 
 @intrinsic
@@ -182,14 +186,14 @@ def _rope_token(x, out, n, cos, sin, n_pairs, interleaved, in_place):
             _rope_head(xb[h], ob[h], cos, sin, n_pairs, interleaved, in_place)
 
 
-@kernel
+@numba.njit(**_EXACT)
 def _rope_serial(x, out, cos, sin, n_pairs, interleaved, in_place):
     """x, out: (B, N, H, D), same dtype (out may be x); cos, sin: (N, n_pairs) float32."""
     for n in range(x.shape[1]):
         _rope_token(x, out, n, cos[n], sin[n], n_pairs, interleaved, in_place)
 
 
-@kernel(parallel=True)
+@numba.njit(parallel=True, **_EXACT)
 def _rope_parallel(x, out, cos, sin, n_pairs, interleaved, in_place):
     for n in prange(x.shape[1]):
         _rope_token(x, out, n, cos[n], sin[n], n_pairs, interleaved, in_place)
@@ -224,7 +228,7 @@ def _set_row(x, dst, i, row, cos, sin, n_pairs, interleaved, scratch):
             _convert_row(src, out, cos, sin, n_pairs, interleaved, scratch)
 
 
-@kernel
+@numba.njit(**_EXACT)
 def _set_rows_serial(x, dst, idx, cos, sin, n_pairs, interleaved):
     """x: (N, H, D) K rows; dst: (R, H, D) cache; token i goes to dst[idx[i]], in order (last duplicate wins)."""
     scratch = np.empty(2 * n_pairs, np.float32)
@@ -232,7 +236,7 @@ def _set_rows_serial(x, dst, idx, cos, sin, n_pairs, interleaved):
         _set_row(x, dst, i, idx[i], cos[i], sin[i], n_pairs, interleaved, scratch)
 
 
-@kernel(parallel=True)
+@numba.njit(parallel=True, **_EXACT)
 def _set_rows_parallel(x, dst, idx, keep, cos, sin, n_pairs, interleaved):
     """As ``_set_rows_serial`` over tokens in parallel; only tokens with ``keep`` (last of their index) write."""
     for i in prange(x.shape[0]):
