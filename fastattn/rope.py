@@ -92,8 +92,13 @@ def _sincos(theta):
 
 @numba.njit(**_ORDERED)
 def _cache_row(pos, n, streams, w, cos_scale, sin_scale, cos_row, sin_row, theta):
-    for p in range(w.shape[0]):  # the gather of each pair's stream, apart so the next loop vectorises
-        theta[p] = pos[streams[p], n] * w[p]
+    if pos.shape[0] == 1:
+        position = np.float64(pos[0, n])
+        for p in range(w.shape[0]):
+            theta[p] = position * w[p]
+    else:
+        for p in range(w.shape[0]):  # each pair's stream: a gather, kept apart so the next loop vectorises
+            theta[p] = pos[streams[p], n] * w[p]
     for p in range(w.shape[0]):
         s, c = _sincos(theta[p])
         cos_row[p] = np.float32(c * cos_scale)
@@ -203,12 +208,13 @@ def _rotate_into(src, dst, cos, sin, n_pairs, interleaved):
 
 
 @numba.njit(**_INLINE)
-def _rope_head(src, dst, cache_row, n_pairs, interleaved, in_place):
+def _rope_head(src, dst, cache_row, n_pairs, interleaved, in_place, unit_stride):
     """One head row. cos and sin are slices of one cache row, so LLVM's alias checks group them (and src's and
-    dst's halves): the out-of-place loop then stays under its check limit and vectorises."""
+    dst's halves): the out-of-place loop then stays under its check limit and vectorises. ``unit_stride``
+    (checked by the caller for the whole array) retypes the rows as contiguous so the loops vectorise."""
     cos = cache_row[:n_pairs]
     sin = cache_row[n_pairs:]
-    if src.strides[0] == src.itemsize and dst.strides[0] == dst.itemsize:
+    if unit_stride:
         if in_place:
             _rotate_in_place(_assume_contiguous(dst), cos, sin, n_pairs, interleaved)
         else:
@@ -219,116 +225,61 @@ def _rope_head(src, dst, cache_row, n_pairs, interleaved, in_place):
         _rotate_into(src, dst, cos, sin, n_pairs, interleaved)
 
 
+@functools.cache
+def _rope_driver(interleaved: bool, in_place: bool, unit_stride: bool, parallel: bool):
+    """The kernel ``(x, out, cs, n_pairs)`` for one combination of flags. The flags are closure constants, so
+    each driver keeps only its own loop: with them as run-time arguments, or with a per-row stride test, the
+    NEOX out-of-place loop ran 1.25-1.7x slower. x, out: (B, N, H, D) of one dtype (out may be x); cs:
+    (N, 2·n_pairs) float32, cos then sin. In parallel the tokens are split between threads."""
+    if parallel:
+        @numba.njit(parallel=True, **_EXACT)
+        def drive(x, out, cs, n_pairs):
+            for n in prange(x.shape[1]):
+                _rope_token(x, out, n, cs, n_pairs, interleaved, in_place, unit_stride)
+    else:
+        @numba.njit(**_EXACT)
+        def drive(x, out, cs, n_pairs):
+            for n in range(x.shape[1]):
+                _rope_token(x, out, n, cs, n_pairs, interleaved, in_place, unit_stride)
+    return drive
+
+
 @numba.njit(**_INLINE)
-def _rope_token(x, out, n, cs, n_pairs, interleaved, in_place):
+def _rope_token(x, out, n, cs, n_pairs, interleaved, in_place, unit_stride):
     cache_row = cs[n]
     for b in range(x.shape[0]):
         xb = x[b, n]
         ob = out[b, n]
         for h in range(xb.shape[0]):
-            _rope_head(xb[h], ob[h], cache_row, n_pairs, interleaved, in_place)
+            _rope_head(xb[h], ob[h], cache_row, n_pairs, interleaved, in_place, unit_stride)
 
 
-# The drivers pass the pairing and in-place flags as literals: inlined, each driver keeps only its own loop.
-# (With the flags at run time the NEOX out-of-place loop ran 1.4-1.7x slower.) x, out: (B, N, H, D) of one
-# dtype; cs: (N, 2·n_pairs) float32, cos then sin.
-@numba.njit(**_EXACT)
-def _rope_split_into(x, out, cs, n_pairs):
-    for n in range(x.shape[1]):
-        _rope_token(x, out, n, cs, n_pairs, False, False)
-
-
-@numba.njit(**_EXACT)
-def _rope_split_in_place(x, out, cs, n_pairs):
-    for n in range(x.shape[1]):
-        _rope_token(x, out, n, cs, n_pairs, False, True)
-
-
-@numba.njit(**_EXACT)
-def _rope_interleaved_into(x, out, cs, n_pairs):
-    for n in range(x.shape[1]):
-        _rope_token(x, out, n, cs, n_pairs, True, False)
-
-
-@numba.njit(**_EXACT)
-def _rope_interleaved_in_place(x, out, cs, n_pairs):
-    for n in range(x.shape[1]):
-        _rope_token(x, out, n, cs, n_pairs, True, True)
-
-
-@numba.njit(parallel=True, **_EXACT)
-def _rope_split_into_parallel(x, out, cs, n_pairs):
-    for n in prange(x.shape[1]):
-        _rope_token(x, out, n, cs, n_pairs, False, False)
-
-
-@numba.njit(parallel=True, **_EXACT)
-def _rope_split_in_place_parallel(x, out, cs, n_pairs):
-    for n in prange(x.shape[1]):
-        _rope_token(x, out, n, cs, n_pairs, False, True)
-
-
-@numba.njit(parallel=True, **_EXACT)
-def _rope_interleaved_into_parallel(x, out, cs, n_pairs):
-    for n in prange(x.shape[1]):
-        _rope_token(x, out, n, cs, n_pairs, True, False)
-
-
-@numba.njit(parallel=True, **_EXACT)
-def _rope_interleaved_in_place_parallel(x, out, cs, n_pairs):
-    for n in prange(x.shape[1]):
-        _rope_token(x, out, n, cs, n_pairs, True, True)
-
-
-#: (interleaved, in_place, parallel) -> driver
-_ROPE_KERNELS = {
-    (False, False, False): _rope_split_into, (False, True, False): _rope_split_in_place,
-    (True, False, False): _rope_interleaved_into, (True, True, False): _rope_interleaved_in_place,
-    (False, False, True): _rope_split_into_parallel, (False, True, True): _rope_split_in_place_parallel,
-    (True, False, True): _rope_interleaved_into_parallel, (True, True, True): _rope_interleaved_in_place_parallel,
-}
+@functools.cache
+def _set_rows_driver(interleaved: bool, unit_stride: bool, parallel: bool):
+    """The rope_set_rows kernel ``(x, dst, idx, keep, cs, n_pairs)``: x (N, H, D) K rows, dst (R, H, D) cache;
+    token i goes to dst[idx[i]]. Serially in order (the last duplicate wins); in parallel only tokens with
+    keep[i] (the last of their index) write."""
+    if parallel:
+        @numba.njit(parallel=True, **_EXACT)
+        def drive(x, dst, idx, keep, cs, n_pairs):
+            for i in prange(x.shape[0]):
+                if keep[i]:
+                    _set_row(x, dst, i, idx[i], cs, n_pairs, interleaved, unit_stride)
+    else:
+        @numba.njit(**_EXACT)
+        def drive(x, dst, idx, keep, cs, n_pairs):
+            for i in range(x.shape[0]):
+                _set_row(x, dst, i, idx[i], cs, n_pairs, interleaved, unit_stride)
+    return drive
 
 
 @numba.njit(**_INLINE)
-def _set_row(x, dst, i, row, cs, n_pairs, interleaved):
+def _set_row(x, dst, i, row, cs, n_pairs, interleaved, unit_stride):
     cache_row = cs[i]
     xi = x[i]
     di = dst[row]
     for h in range(xi.shape[0]):
-        _rope_head(xi[h], di[h], cache_row, n_pairs, interleaved, False)
-
-
-# rope_set_rows: x (N, H, D) K rows, dst (R, H, D) cache; token i goes to dst[idx[i]]. Serially in order (the last
-# duplicate wins); in parallel only tokens with keep[i] (the last of their index) write.
-@numba.njit(**_EXACT)
-def _set_rows_split(x, dst, idx, keep, cs, n_pairs):
-    for i in range(x.shape[0]):
-        _set_row(x, dst, i, idx[i], cs, n_pairs, False)
-
-
-@numba.njit(**_EXACT)
-def _set_rows_interleaved(x, dst, idx, keep, cs, n_pairs):
-    for i in range(x.shape[0]):
-        _set_row(x, dst, i, idx[i], cs, n_pairs, True)
-
-
-@numba.njit(parallel=True, **_EXACT)
-def _set_rows_split_parallel(x, dst, idx, keep, cs, n_pairs):
-    for i in prange(x.shape[0]):
-        if keep[i]:
-            _set_row(x, dst, i, idx[i], cs, n_pairs, False)
-
-
-@numba.njit(parallel=True, **_EXACT)
-def _set_rows_interleaved_parallel(x, dst, idx, keep, cs, n_pairs):
-    for i in prange(x.shape[0]):
-        if keep[i]:
-            _set_row(x, dst, i, idx[i], cs, n_pairs, True)
-
-
-#: (interleaved, parallel) -> driver
-_SET_ROWS_KERNELS = {(False, False): _set_rows_split, (True, False): _set_rows_interleaved,
-                     (False, True): _set_rows_split_parallel, (True, True): _set_rows_interleaved_parallel}
+        _rope_head(xi[h], di[h], cache_row, n_pairs, interleaved, False, unit_stride)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -485,7 +436,8 @@ def _run(xk: np.ndarray, ok: np.ndarray, cache: RopeCache, in_place: bool, nbyte
     """The kernel call on (B, N, H, D) kernel views. The size test comes first: asking for the thread count
     costs ~1 us, as much as a decode-sized rotation."""
     parallel = nbytes >= _threads.PARALLEL_MIN_BYTES and xk.shape[1] > 1 and _threads.threads_for(nbytes) > 1
-    _ROPE_KERNELS[cache.interleaved, in_place, parallel](xk, ok, cache.cs, cache.n_pairs)
+    unit_stride = xk.strides[3] == xk.itemsize and ok.strides[3] == ok.itemsize
+    _rope_driver(cache.interleaved, in_place, unit_stride, parallel)(xk, ok, cache.cs, cache.n_pairs)
 
 
 def _apply(x: np.ndarray, out: np.ndarray, cache: RopeCache) -> None:
@@ -506,17 +458,20 @@ def apply_rope_cache(x: np.ndarray, cache: RopeCache, *, out: np.ndarray | None 
     or an array of ``x``'s shape and dtype, possibly strided. Returns the array written."""
     if type(cache) is not RopeCache:
         raise TypeError(f"cache must be a RopeCache from fastattn.rope_cache, got {type(cache).__name__}")
-    # A lean path for the common call, (N, H, D) float32/float16 with out None or x: a decode step makes it twice
-    # per layer and the full checks below cost more than the rotation. Anything else takes the full path.
-    if type(x) is np.ndarray and x.ndim == 3 and (out is None or out is x):
+    # A lean path for the common call, (N, H, D) float32/float16 with out None, x, or a fresh array like x: a
+    # decode step makes it twice per layer and the full checks below cost more than the rotation. The same
+    # checks, in a cheaper order; anything unusual (and every error) takes the full path.
+    if type(x) is np.ndarray and x.ndim == 3:
         dtype = x.dtype
         n, _, d = x.shape
         if ((dtype is FLOAT32 or dtype is FLOAT16) and n == cache.n_tokens
-                and (d == cache.min_head_dim or (d > cache.min_head_dim and not cache.exact_head_dim))):
+                and (d == cache.min_head_dim or (d > cache.min_head_dim and not cache.exact_head_dim))
+                and (out is None
+                     or (out is x and x.flags.writeable)
+                     or (type(out) is np.ndarray and out.dtype is dtype and out.shape == x.shape
+                         and out.flags.writeable and not np.may_share_memory(out, x)))):
             if out is None:
                 out = np.empty(x.shape, dtype)
-            elif not x.flags.writeable:
-                raise ValueError("out (x, in place) must be writeable")
             if dtype is FLOAT16:
                 xk = x.view(np.uint16)[None]
                 ok = xk if out is x else out.view(np.uint16)[None]
@@ -592,5 +547,6 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
     if parallel:
         _, last_from_end = np.unique(idx[::-1], return_index=True)
         keep[n_tokens - 1 - last_from_end] = True
-    _SET_ROWS_KERNELS[cache.interleaved, parallel](xk, dk, idx, keep, cache.cs, cache.n_pairs)
+    unit_stride = xk.strides[2] == xk.itemsize and dk.strides[2] == dk.itemsize
+    _set_rows_driver(cache.interleaved, unit_stride, parallel)(xk, dk, idx, keep, cache.cs, cache.n_pairs)
     return dst
