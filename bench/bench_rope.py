@@ -1,8 +1,9 @@
 """RoPE benchmarks: a Llama-3-8B-like layer (32 query heads, 8 KV heads, head dim 128), prefill 512 and decode.
 
 Groups (each at 1 and 2 threads, GB/s of x read + out written in ``extra_info``):
-- ``rope neox (512,32,128)``: a plain copy of the same bytes (the roof), the reference, ``rope_ext`` out of place,
-  in place (contiguous), in place on Q inside a fused QKV buffer (a strided view), and ``apply_rope_cache``;
+- ``rope neox (512,32,128)``: a copy of the same bytes (the roof: a Numba prange copy), the reference,
+  ``rope_ext`` out of place, in place (contiguous), in place on Q inside a fused QKV buffer (a strided view),
+  and ``apply_rope_cache``;
 - ``rope normal`` and ``rope mrope`` (Qwen2-VL sections [16, 24, 24, 0]) out of place;
 - ``rope decode (1,32,128)``: ``apply_rope_cache`` with a prebuilt cache (in place and into a new array) and a
   whole ``rope_ext`` call;
@@ -13,9 +14,11 @@ Run: ``python -m pytest bench/bench_rope.py --benchmark-columns=median,iqr,round
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 from conftest import THREADS, measure
+from numba import prange
 
 import fastattn
 import fastattn.reference as ref
@@ -24,6 +27,16 @@ from fastattn._kernel import from_f32, kernel, kernel_view, to_f32
 N, H, H_KV, D = 512, 32, 8, 128
 BASE = 500000.0
 NEOX = dict(n_dims=D, mode=fastattn.ROPE_NEOX, freq_base=BASE)
+
+
+@kernel(parallel=True)
+def _copy_rows(src, dst):
+    """The roof: a prange copy of the same bytes (np.copyto is single-threaded)."""
+    for i in prange(src.shape[0]):
+        s = src[i]
+        d = dst[i]
+        for j in range(s.shape[0]):
+            d[j] = s[j]
 
 
 def _data(shape, dtype=np.float32, seed=0):
@@ -40,8 +53,9 @@ def test_neox_prefill(benchmark, path, threads):
     qkv = _data((N, (H + 2 * H_KV) * D))
     q = qkv[:, :H * D].reshape(N, H, D)  # a view of the fused projection output
     cache = fastattn.rope_cache(pos, **NEOX)
+    numba.set_num_threads(threads)  # for the copy roof (the fast paths apply the count themselves)
     fns = {
-        "copy": lambda: np.copyto(out, x),
+        "copy": lambda: _copy_rows(x.reshape(N, H * D), out.reshape(N, H * D)),
         "reference": lambda: ref.rope_ext(x, pos, **NEOX),
         "rope_ext": lambda: fastattn.rope_ext(x, pos, **NEOX, out=out),
         "rope_ext in place": lambda: fastattn.rope_ext(out, pos, **NEOX, out=out),
