@@ -135,3 +135,24 @@ def test_rope_set_rows(benchmark, path, threads):
            "rope_ext + set_rows": separate}
     measure(benchmark, fns[path], group=f"rope_set_rows K ({N},{H_KV},{D}) -> f16 cache", threads=threads,
             nbytes=k.nbytes + N * H_KV * D * 2)
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("path", ["apply_rope_cache_set_rows (fused)", "apply_rope_cache + set_rows"])
+def test_rope_set_rows_decode(benchmark, path, threads):
+    k = _data((1, H_KV, D))
+    cache = fastattn.rope_cache(np.array([4097], np.int32), **NEOX)
+    kv = np.zeros((8192, H_KV * D), np.float16)
+    idx = np.array([4097], np.int64)
+    rotated = np.empty_like(k)
+    name, set_rows = _separate_set_rows()
+    benchmark.extra_info["set_rows"] = name
+
+    def separate():
+        fastattn.apply_rope_cache(k, cache, out=rotated)
+        set_rows(kv, rotated.reshape(1, H_KV * D), idx)
+
+    fns = {"apply_rope_cache_set_rows (fused)": lambda: fastattn.apply_rope_cache_set_rows(kv, k, cache, idx),
+           "apply_rope_cache + set_rows": separate}
+    measure(benchmark, fns[path], group=f"rope_set_rows decode K (1,{H_KV},{D}) -> f16 cache, prebuilt cache",
+            threads=threads, nbytes=k.nbytes + H_KV * D * 2)

@@ -15,7 +15,8 @@ __version__ = "0.1.0"
 
 # name -> module holding the fast implementation (imported on first access, see __getattr__).
 _FAST_OPS = {
-    "rope_ext": ".rope", "rope_cache": ".rope", "apply_rope_cache": ".rope", "rope_set_rows": ".rope",
+    "rope_ext": ".rope", "rope_cache": ".rope", "apply_rope_cache": ".rope",
+    "rope_set_rows": ".rope", "apply_rope_cache_set_rows": ".rope",
 }
 
 __all__ = [

@@ -540,10 +540,26 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
                                 sections=sections, backward=backward)
     dst3, idx = _args.parse_set_rows(dst, x, idx, params, dst_dtypes=STORAGE_FLOATS)
     pos = _args.parse_pos(pos, params, x.shape[0])
+    if x.shape[0]:
+        _set_rows(dst3, x, idx, _build_cache(pos, params))
+    return dst
+
+
+def apply_rope_cache_set_rows(dst: np.ndarray, x: np.ndarray, cache: RopeCache, idx: np.ndarray) -> np.ndarray:
+    """``rope_set_rows`` with a prebuilt ``cache`` (the one a decode step builds once for Q and K): rotate K rows
+    ``x`` (N, H, D) and write them into rows ``idx`` of ``dst`` ((R, H, D) or (R, H·D)). Returns ``dst``."""
+    if type(cache) is not RopeCache:
+        raise TypeError(f"cache must be a RopeCache from fastattn.rope_cache, got {type(cache).__name__}")
+    dst3, idx = _args.parse_set_rows(dst, x, idx, cache.params, dst_dtypes=STORAGE_FLOATS)
+    if x.shape[0] != cache.n_tokens:
+        raise ValueError(f"x must have one token per cached position: {cache.n_tokens}, got {x.shape[0]}")
+    if x.shape[0]:
+        _set_rows(dst3, x, idx, cache)
+    return dst
+
+
+def _set_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, cache: RopeCache) -> None:
     n_tokens = x.shape[0]
-    if n_tokens == 0:
-        return dst
-    cache = _build_cache(pos, params)
     xk = kernel_view(x)
     dk = kernel_view(dst3)
     nbytes = x.nbytes + n_tokens * dst3[0].nbytes
@@ -554,4 +570,3 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
         keep[n_tokens - 1 - last_from_end] = True
     unit_stride = xk.strides[2] == xk.itemsize and dk.strides[2] == dk.itemsize
     _set_rows_driver(cache.interleaved, unit_stride, parallel)(xk, dk, idx, keep, cache.cs, cache.n_pairs)
-    return dst

@@ -6,4 +6,4 @@ returns (pass a float64 ``out=`` to get the unrounded values). Never imports Num
 from fastattn._modes import ROPE_IMROPE, ROPE_MROPE, ROPE_NEOX, ROPE_NORMAL, ROPE_VISION, RopeMode
 
 __all__ = ["ROPE_IMROPE", "ROPE_MROPE", "ROPE_NEOX", "ROPE_NORMAL", "ROPE_VISION", "RopeMode"]
-from .rope import apply_rope_cache, rope_cache, rope_ext, rope_set_rows  # noqa: E402
+from .rope import apply_rope_cache, apply_rope_cache_set_rows, rope_cache, rope_ext, rope_set_rows  # noqa: E402

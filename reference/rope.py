@@ -198,3 +198,16 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
     for i, row in enumerate(idx):  # in order, so the last of duplicate indices wins
         dst3[row] = rotated[i]  # rounded once, float64 -> dst's dtype
     return dst
+
+
+def apply_rope_cache_set_rows(dst: np.ndarray, x: np.ndarray, cache: RopeCache, idx: np.ndarray) -> np.ndarray:
+    """``rope_set_rows`` with a prebuilt ``cache``: rows ``idx`` of ``dst`` receive ``apply_rope_cache(x, cache)``."""
+    if not isinstance(cache, RopeCache):
+        raise TypeError(f"cache must be a RopeCache from fastattn.reference.rope_cache, got {type(cache).__name__}")
+    dst3, idx = _args.parse_set_rows(dst, x, idx, cache.params, dst_dtypes=STORAGE_FLOATS)
+    if x.shape[0] != cache.cos.shape[0]:
+        raise ValueError(f"x must have one token per cached position: {cache.cos.shape[0]}, got {x.shape[0]}")
+    rotated = apply_rope_cache(x, cache, out=np.empty(x.shape))
+    for i, row in enumerate(idx):  # in order, so the last of duplicate indices wins
+        dst3[row] = rotated[i]
+    return dst

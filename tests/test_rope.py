@@ -531,3 +531,21 @@ def test_partial_alias_and_bad_cache_are_rejected():
         fastattn.apply_rope_cache(buf, cache)
     with pytest.raises(ValueError, match="n_dims must be <="):
         fastattn.apply_rope_cache(buf[:2, :, :4], cache)
+
+
+@given(config=rope_configs(), dst_dtype=st.sampled_from((FLOAT32, FLOAT16)), n=st.integers(0, 6),
+       seed=st.integers(0, 2**16), threads=st.sampled_from((1, 2)))
+def test_prebuilt_cache_set_rows_equals_rope_set_rows(config, dst_dtype, n, seed, threads):
+    kwargs, d, streams = config
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, 2, d)).astype(np.float32)
+    pos = positions(streams, n, rng, "large")
+    idx = rng.integers(0, 8, n)
+    original = rng.standard_normal((8, 2 * d)).astype(dst_dtype)
+    a, b = original.copy(), original.copy()
+    with run_on(threads):
+        fastattn.rope_set_rows(a, x, pos, idx, **kwargs)
+        fastattn.apply_rope_cache_set_rows(b, x, fastattn.rope_cache(pos, **kwargs), idx)
+    assert a.tobytes() == b.tobytes()
+    by_cache = ref.apply_rope_cache_set_rows(original.copy(), x, ref.rope_cache(pos, **kwargs), idx)
+    assert np.array_equal(by_cache, ref.rope_set_rows(original.copy(), x, pos, idx, **kwargs))
