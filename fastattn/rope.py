@@ -230,12 +230,19 @@ def _rope_head(src, dst, cache_row, n_pairs, interleaved, in_place, unit_stride)
         _rotate_into(src, dst, cos, sin, n_pairs, interleaved)
 
 
-@functools.cache
+#: (interleaved, in_place, unit_stride, parallel) -> driver, filled by _rope_driver (a plain dict: the lean
+#: decode path looks it up without functools' call overhead)
+_DRIVERS: dict = {}
+
+
 def _rope_driver(interleaved: bool, in_place: bool, unit_stride: bool, parallel: bool):
-    """The kernel ``(x, out, cs, n_pairs)`` for one combination of flags. The flags are closure constants, so
-    each driver keeps only its own loop: with them as run-time arguments, or with a per-row stride test, the
-    NEOX out-of-place loop ran 1.25-1.7x slower. x, out: (B, N, H, D) of one dtype (out may be x); cs:
+    """The kernel ``(x, out, cs, n_pairs)`` for one combination of flags (made once). The flags are closure
+    constants, so each driver keeps only its own loop: with them as run-time arguments, or with a per-row stride
+    test, the NEOX out-of-place loop ran 1.25-1.7x slower. x, out: (B, N, H, D) of one dtype (out may be x); cs:
     (N, 2·n_pairs) float32, cos then sin. In parallel the tokens are split between threads."""
+    key = (interleaved, in_place, unit_stride, parallel)
+    if key in _DRIVERS:
+        return _DRIVERS[key]
     if parallel:
         @numba.njit(parallel=True, **_EXACT)
         def drive(x, out, cs, n_pairs):
@@ -246,7 +253,7 @@ def _rope_driver(interleaved: bool, in_place: bool, unit_stride: bool, parallel:
         def drive(x, out, cs, n_pairs):
             for n in range(x.shape[1]):
                 _rope_token(x, out, n, cs, n_pairs, interleaved, in_place, unit_stride)
-    return drive
+    return _DRIVERS.setdefault(key, drive)
 
 
 @numba.njit(**_INLINE)
@@ -475,15 +482,23 @@ def apply_rope_cache(x: np.ndarray, cache: RopeCache, *, out: np.ndarray | None 
                      or (out is x and x.flags.writeable)
                      or (type(out) is np.ndarray and out.dtype is dtype and out.shape == x.shape
                          and out.flags.writeable and not np.may_share_memory(out, x)))):
+            in_place = out is x
             if out is None:
-                out = np.empty(x.shape, dtype)
+                out = np.empty_like(x, order="C")
             if dtype is FLOAT16:
                 xk = x.view(np.uint16)[None]
-                ok = xk if out is x else out.view(np.uint16)[None]
+                ok = xk if in_place else out.view(np.uint16)[None]
             else:
                 xk = x[None]
-                ok = xk if out is x else out[None]
-            _run(xk, ok, cache, out is x, 2 * x.nbytes)
+                ok = xk if in_place else out[None]
+            nbytes = 2 * x.nbytes
+            parallel = nbytes >= _threads.PARALLEL_MIN_BYTES and n > 1 and _threads.threads_for(nbytes) > 1
+            itemsize = x.itemsize
+            unit_stride = x.strides[2] == itemsize and out.strides[2] == itemsize
+            driver = _DRIVERS.get((cache.interleaved, in_place, unit_stride, parallel))
+            if driver is None:
+                driver = _rope_driver(cache.interleaved, in_place, unit_stride, parallel)
+            driver(xk, ok, cache.cs, cache.n_pairs)
             return out
     _args.parse_x(x)
     shape = x.shape
