@@ -560,11 +560,32 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
     return dst
 
 
+_DST_DTYPES = frozenset(STORAGE_FLOATS)
+_IDX_DTYPES = frozenset((np.dtype(np.int32), np.dtype(np.int64)))
+
+
 def apply_rope_cache_set_rows(dst: np.ndarray, x: np.ndarray, cache: RopeCache, idx: np.ndarray) -> np.ndarray:
     """``rope_set_rows`` with a prebuilt ``cache`` (the one a decode step builds once for Q and K): rotate K rows
     ``x`` (N, H, D) and write them into rows ``idx`` of ``dst`` ((R, H, D) or (R, H·D)). Returns ``dst``."""
     if type(cache) is not RopeCache:
         raise TypeError(f"cache must be a RopeCache from fastattn.rope_cache, got {type(cache).__name__}")
+    # Lean path for a decode step's few K rows into a 3-D cache: parse_set_rows' checks in a cheaper order (they
+    # cost more than the write). Anything unusual, and every error, takes the full path.
+    if (type(x) is np.ndarray and type(dst) is np.ndarray and type(idx) is np.ndarray and x.ndim == 3
+            and idx.ndim == 1 and 0 < x.shape[0] <= 16):
+        n, h, d = x.shape
+        dst3 = dst
+        if dst.ndim == 2 and dst.shape[1] == h * d and dst.strides[1] == dst.itemsize:
+            dst3 = dst.reshape(dst.shape[0], h, d)  # a contiguous row axis splits without a copy
+        if (dst3.ndim == 3 and (x.dtype is FLOAT32 or x.dtype is FLOAT16) and dst.dtype in _DST_DTYPES
+                and idx.dtype in _IDX_DTYPES and n == cache.n_tokens and idx.shape[0] == n
+                and dst3.shape[1] == h and dst3.shape[2] == d
+                and (d == cache.min_head_dim or (d > cache.min_head_dim and not cache.exact_head_dim))
+                and dst.flags.writeable and not np.may_share_memory(dst, x)):
+            rows = idx.tolist()
+            if min(rows) >= 0 and max(rows) < dst.shape[0]:
+                _set_rows(dst3, x, idx, cache)
+                return dst
     dst3, idx = _args.parse_set_rows(dst, x, idx, cache.params, dst_dtypes=STORAGE_FLOATS)
     if x.shape[0] != cache.n_tokens:
         raise ValueError(f"x must have one token per cached position: {cache.n_tokens}, got {x.shape[0]}")
@@ -577,7 +598,7 @@ def _set_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, cache: RopeCache
     n_tokens = x.shape[0]
     xk = kernel_view(x)
     dk = kernel_view(dst3)
-    nbytes = x.nbytes + n_tokens * dst3[0].nbytes
+    nbytes = x.nbytes + x.size * dst3.itemsize
     parallel = n_tokens > 1 and nbytes >= _threads.PARALLEL_MIN_BYTES and _threads.threads_for(nbytes) > 1
     keep = np.zeros(n_tokens if parallel else 0, np.bool_)
     if parallel:

@@ -512,6 +512,8 @@ def test_rope_set_rows_rejects_bad_indices_before_writing(lib):
                          (np.array([0.0, 1.0, 2.0]), "idx must have dtype")):
         with pytest.raises((ValueError, TypeError), match=message):
             lib.rope_set_rows(cache, x, pos, idx, n_dims=8, mode=2)
+        with pytest.raises((ValueError, TypeError), match=message):
+            lib.apply_rope_cache_set_rows(cache, x, lib.rope_cache(pos, n_dims=8, mode=2), idx)
         assert not cache.any()
     with pytest.raises(ValueError, match="dst must have shape"):
         lib.rope_set_rows(np.zeros((4, 15), np.float16), x, pos, np.arange(3), n_dims=8, mode=2)
