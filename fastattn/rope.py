@@ -9,12 +9,15 @@ Algorithm, in two passes:
    (``_pair_table``, memoised). cos/sin are taken in float64 by a vectorised polynomial after a three-part
    Cody-Waite reduction (exact for |theta| < 1e9; larger angles fall back to libm), scaled by mscale
    (and sin by -1 for backward), and stored as float32 (N, n_pairs) tables. This is once per (position, stream),
-   shared by all heads, and by Q and K when the caller keeps the cache for a decode step.
-2. **The rotation**: for every (batch, token, head) row, the row's rotated dims are widened into a private
-   float32 scratch row (which also makes in-place use safe and lets LLVM vectorise without aliasing doubts),
-   rotated with the token's cos/sin, narrowed and stored; dims past the rotated span are copied when out of
-   place and left alone in place. Pairing: NORMAL (2p, 2p+1); NEOX/MROPE/IMROPE (p, p + n_dims/2); VISION
-   (p, p + n_dims), covering the whole head.
+   shared by all heads, and by Q and K when the caller keeps the cache for a decode step. cos and sin of a
+   token sit side by side in one row of ``cs`` (N, 2·n_pairs).
+2. **The rotation**: for every (batch, token, head) row, each pair (a, b) becomes (a·cos − b·sin, a·sin + b·cos)
+   in float32, every product rounded on its own (no FMA contraction), so results are identical across layouts,
+   thread counts and builds. Out of place it reads x and writes out directly and copies the dims past the
+   rotated span; in place it rotates the row where it is and leaves those dims alone. Pairing: NORMAL
+   (2p, 2p+1); NEOX/MROPE/IMROPE (p, p + n_dims/2); VISION (p, p + n_dims), covering the whole head. One
+   driver per (pairing, in place, unit stride, serial/parallel) keeps exactly one loop, which vectorises when
+   the rows are contiguous (they are retyped as such, no copy).
 
 Layout: ``x`` (..., N, H, D) with any strides, e.g. Q = ``qkv[:, :H*D].reshape(N, H, D)`` of a fused projection
 output (a no-copy view), is read through its strides: leading axes are merged without a copy when NumPy can,
@@ -602,7 +605,10 @@ def _set_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, cache: RopeCache
     parallel = n_tokens > 1 and nbytes >= _threads.PARALLEL_MIN_BYTES and _threads.threads_for(nbytes) > 1
     keep = np.zeros(n_tokens if parallel else 0, np.bool_)
     if parallel:
-        _, last_from_end = np.unique(idx[::-1], return_index=True)
-        keep[n_tokens - 1 - last_from_end] = True
+        if np.all(idx[1:] > idx[:-1]):  # the usual consecutive cache slots: no duplicates, no sort needed
+            keep[:] = True
+        else:
+            _, last_from_end = np.unique(idx[::-1], return_index=True)
+            keep[n_tokens - 1 - last_from_end] = True
     unit_stride = xk.strides[2] == xk.itemsize and dk.strides[2] == dk.itemsize
     _set_rows_driver(cache.interleaved, unit_stride, parallel)(xk, dk, idx, keep, cache.cs, cache.n_pairs)
