@@ -551,3 +551,16 @@ def test_prebuilt_cache_set_rows_equals_rope_set_rows(config, dst_dtype, n, seed
     assert a.tobytes() == b.tobytes()
     by_cache = ref.apply_rope_cache_set_rows(original.copy(), x, ref.rope_cache(pos, **kwargs), idx)
     assert np.array_equal(by_cache, ref.rope_set_rows(original.copy(), x, pos, idx, **kwargs))
+
+
+@pytest.mark.parametrize("idx_kind", ["increasing", "duplicates"])
+def test_parallel_rope_set_rows_last_duplicate_wins(idx_kind):
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((40, 2, 16)).astype(np.float32)
+    pos = np.arange(40, dtype=np.int32)
+    idx = np.arange(40) + 3 if idx_kind == "increasing" else rng.integers(0, 10, 40)
+    cache = np.zeros((50, 32), np.float16)
+    with run_on(2):
+        fastattn.rope_set_rows(cache, x, pos, idx, n_dims=16, mode=fastattn.ROPE_NEOX)
+    expected = ref.rope_set_rows(np.zeros((50, 32), np.float16), x, pos, idx, n_dims=16, mode=fastattn.ROPE_NEOX)
+    assert np.max(ulp_distance(cache, expected)) <= 1
