@@ -18,6 +18,8 @@ _FAST_OPS = {
     "rms_norm": ".norm", "rms_norm_mul": ".norm", "add_rms_norm_mul": ".norm",
     "set_rows": ".rows",  # not .set_rows: a module named like the function would shadow it
     "flash_attn_ext": ".attention",
+    "rope_ext": ".rope", "rope_cache": ".rope", "apply_rope_cache": ".rope",
+    "rope_set_rows": ".rope", "apply_rope_cache_set_rows": ".rope",
 }
 
 __all__ = [

@@ -7,9 +7,11 @@ from fastattn._modes import ROPE_IMROPE, ROPE_MROPE, ROPE_NEOX, ROPE_NORMAL, ROP
 
 from .attention import flash_attn_ext
 from .norm import add_rms_norm_mul, rms_norm, rms_norm_mul
+from .rope import apply_rope_cache, apply_rope_cache_set_rows, rope_cache, rope_ext, rope_set_rows
 from .rows import set_rows
 
 __all__ = [
     "ROPE_IMROPE", "ROPE_MROPE", "ROPE_NEOX", "ROPE_NORMAL", "ROPE_VISION", "RopeMode",
-    "add_rms_norm_mul", "flash_attn_ext", "rms_norm", "rms_norm_mul", "set_rows",
+    "add_rms_norm_mul", "apply_rope_cache", "apply_rope_cache_set_rows", "flash_attn_ext", "rms_norm",
+    "rms_norm_mul", "rope_cache", "rope_ext", "rope_set_rows", "set_rows",
 ]

@@ -17,7 +17,7 @@ import numpy as np
 from .. import _threads
 
 #: Op modules of this package that register cases (in table order).
-OP_MODULES = ("norm", "rows", "attention")
+OP_MODULES = ("norm", "rows", "rope", "attention")
 
 
 @dataclass(frozen=True)

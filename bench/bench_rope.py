@@ -1,0 +1,158 @@
+"""RoPE benchmarks: a Llama-3-8B-like layer (32 query heads, 8 KV heads, head dim 128), prefill 512 and decode.
+
+Groups (each at 1 and 2 threads, GB/s of x read + out written in ``extra_info``):
+- ``rope neox (512,32,128)``: a copy of the same bytes (the roof: a Numba prange copy), the reference,
+  ``rope_ext`` out of place, in place (contiguous), in place on Q inside a fused QKV buffer (a strided view),
+  and ``apply_rope_cache``;
+- ``rope normal`` and ``rope mrope`` (Qwen2-VL sections [16, 24, 24, 0]) out of place;
+- ``rope decode (1,32,128)``: ``apply_rope_cache`` with a prebuilt cache (in place and into a new array) and a
+  whole ``rope_ext`` call;
+- ``rope_set_rows K (512,8,128) -> f16 cache``: the fused op against ``rope_ext`` followed by a separate set_rows
+  (``fastattn.set_rows`` when it exists, else a serial Numba row-copy kernel converting with ``from_f32``).
+
+Run: ``python -m pytest bench/bench_rope.py --benchmark-columns=median,iqr,rounds --benchmark-group-by=group``.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+from conftest import THREADS, measure
+from numba import prange
+
+import fastattn
+import fastattn.reference as ref
+from fastattn._kernel import from_f32, kernel, kernel_view, to_f32
+
+N, H, H_KV, D = 512, 32, 8, 128
+BASE = 500000.0
+NEOX = dict(n_dims=D, mode=fastattn.ROPE_NEOX, freq_base=BASE)
+
+
+@kernel(parallel=True)
+def _copy_rows(src, dst):
+    """The roof: a prange copy of the same bytes (np.copyto is single-threaded)."""
+    for i in prange(src.shape[0]):
+        s = src[i]
+        d = dst[i]
+        for j in range(s.shape[0]):
+            d[j] = s[j]
+
+
+def _data(shape, dtype=np.float32, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("path", ["copy", "reference", "rope_ext", "rope_ext in place", "rope_ext in place fused QKV",
+                                  "apply_rope_cache"])
+def test_neox_prefill(benchmark, path, threads):
+    x = _data((N, H, D))
+    out = np.empty_like(x)
+    pos = np.arange(N, dtype=np.int32)
+    qkv = _data((N, (H + 2 * H_KV) * D))
+    q = qkv[:, :H * D].reshape(N, H, D)  # a view of the fused projection output
+    cache = fastattn.rope_cache(pos, **NEOX)
+    numba.set_num_threads(threads)  # for the copy roof (the fast paths apply the count themselves)
+    fns = {
+        "copy": lambda: _copy_rows(x.reshape(N, H * D), out.reshape(N, H * D)),
+        "reference": lambda: ref.rope_ext(x, pos, **NEOX),
+        "rope_ext": lambda: fastattn.rope_ext(x, pos, **NEOX, out=out),
+        "rope_ext in place": lambda: fastattn.rope_ext(out, pos, **NEOX, out=out),
+        "rope_ext in place fused QKV": lambda: fastattn.rope_ext(q, pos, **NEOX, out=q),
+        "apply_rope_cache": lambda: fastattn.apply_rope_cache(x, cache, out=out),
+    }
+    measure(benchmark, fns[path], group=f"rope neox ({N},{H},{D}) f32", threads=threads, nbytes=2 * x.nbytes,
+            rounds=3 if path == "reference" else None)
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("mode", ["normal", "mrope"])
+def test_other_modes_prefill(benchmark, mode, threads):
+    x = _data((N, H, D))
+    out = np.empty_like(x)
+    if mode == "normal":
+        pos = np.arange(N, dtype=np.int32)
+        kwargs = dict(n_dims=D, mode=fastattn.ROPE_NORMAL, freq_base=BASE)
+    else:
+        pos = np.stack([np.arange(N), np.arange(N) // 16, np.arange(N) % 16, np.zeros(N)]).astype(np.int32)
+        kwargs = dict(n_dims=D, mode=fastattn.ROPE_MROPE, freq_base=1e6, sections=[16, 24, 24, 0])
+    measure(benchmark, lambda: fastattn.rope_ext(x, pos, **kwargs, out=out), group=f"rope {mode} ({N},{H},{D}) f32",
+            threads=threads, nbytes=2 * x.nbytes)
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("path", ["apply_rope_cache in place", "apply_rope_cache new array", "rope_ext in place",
+                                  "rope_cache"])
+def test_decode(benchmark, path, threads):
+    x = _data((1, H, D))
+    pos = np.array([4097], np.int32)
+    cache = fastattn.rope_cache(pos, **NEOX)
+    fns = {
+        "apply_rope_cache in place": lambda: fastattn.apply_rope_cache(x, cache, out=x),
+        "apply_rope_cache new array": lambda: fastattn.apply_rope_cache(x, cache),
+        "rope_ext in place": lambda: fastattn.rope_ext(x, pos, **NEOX, out=x),
+        "rope_cache": lambda: fastattn.rope_cache(pos, **NEOX),
+    }
+    measure(benchmark, fns[path], group=f"rope decode (1,{H},{D}) f32", threads=threads, nbytes=2 * x.nbytes)
+
+
+@kernel
+def _row_copy_f16(dst, src, idx):
+    """Stand-in for set_rows when fastattn.set_rows is absent: serial, converting with from_f32."""
+    for i in range(src.shape[0]):
+        s = src[i]
+        d = dst[idx[i]]
+        for j in range(s.shape[0]):
+            d[j] = from_f32(to_f32(s[j]), d)
+
+
+def _separate_set_rows():
+    """(name, set_rows(dst, src, idx)) for the unfused comparison."""
+    try:
+        set_rows = fastattn.set_rows
+        return "fastattn.set_rows", set_rows
+    except AttributeError:
+        return "stand-in row copy", lambda dst, src, idx: _row_copy_f16(kernel_view(dst), src, idx)
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("path", ["rope_set_rows (fused)", "rope_ext + set_rows"])
+def test_rope_set_rows(benchmark, path, threads):
+    k = _data((N, H_KV, D))
+    pos = np.arange(N, dtype=np.int32) + 1000
+    cache = np.zeros((4096, H_KV * D), np.float16)
+    idx = np.arange(N, dtype=np.int64) + 1000
+    rotated = np.empty_like(k)
+    name, set_rows = _separate_set_rows()
+    benchmark.extra_info["set_rows"] = name
+
+    def separate():
+        fastattn.rope_ext(k, pos, **NEOX, out=rotated)
+        set_rows(cache, rotated.reshape(N, H_KV * D), idx)
+
+    fns = {"rope_set_rows (fused)": lambda: fastattn.rope_set_rows(cache, k, pos, idx, **NEOX),
+           "rope_ext + set_rows": separate}
+    measure(benchmark, fns[path], group=f"rope_set_rows K ({N},{H_KV},{D}) -> f16 cache", threads=threads,
+            nbytes=k.nbytes + N * H_KV * D * 2)
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("path", ["apply_rope_cache_set_rows (fused)", "apply_rope_cache + set_rows"])
+def test_rope_set_rows_decode(benchmark, path, threads):
+    k = _data((1, H_KV, D))
+    cache = fastattn.rope_cache(np.array([4097], np.int32), **NEOX)
+    kv = np.zeros((8192, H_KV * D), np.float16)
+    idx = np.array([4097], np.int64)
+    rotated = np.empty_like(k)
+    name, set_rows = _separate_set_rows()
+    benchmark.extra_info["set_rows"] = name
+
+    def separate():
+        fastattn.apply_rope_cache(k, cache, out=rotated)
+        set_rows(kv, rotated.reshape(1, H_KV * D), idx)
+
+    fns = {"apply_rope_cache_set_rows (fused)": lambda: fastattn.apply_rope_cache_set_rows(kv, k, cache, idx),
+           "apply_rope_cache + set_rows": separate}
+    measure(benchmark, fns[path], group=f"rope_set_rows decode K (1,{H_KV},{D}) -> f16 cache, prebuilt cache",
+            threads=threads, nbytes=k.nbytes + H_KV * D * 2)

@@ -1,0 +1,614 @@
+"""RoPE: ``rope_ext`` (every ggml mode, YaRN, freq_factors, backward), a reusable cos/sin cache, and the fused
+``rope_set_rows`` that rotates K rows straight into a KV cache.
+
+Algorithm, in two passes:
+
+1. **The cache** (``rope_cache``): for every token n and rotated pair p, theta = pos[stream(p), n] · w[p] in
+   float64, where the per-pair factor w[p] = freq_base^(-2k/n_dims) / freq_factors[p] · (YaRN mix of freq_scale
+   and 1) and the stream/exponent map (MROPE/IMROPE/VISION sections) are computed once per parameter set
+   (``_pair_table``, memoised). cos/sin are taken in float64 by a vectorised polynomial after a three-part
+   Cody-Waite reduction (exact for |theta| < 1e9; larger angles fall back to libm), scaled by mscale
+   (and sin by -1 for backward), and stored as float32 (N, n_pairs) tables. This is once per (position, stream),
+   shared by all heads, and by Q and K when the caller keeps the cache for a decode step. cos and sin of a
+   token sit side by side in one row of ``cs`` (N, 2·n_pairs).
+2. **The rotation**: for every (batch, token, head) row, each pair (a, b) becomes (a·cos − b·sin, a·sin + b·cos)
+   in float32, every product rounded on its own (no FMA contraction), so results are identical across layouts,
+   thread counts and builds. Out of place it reads x and writes out directly and copies the dims past the
+   rotated span; in place it rotates the row where it is and leaves those dims alone. Pairing: NORMAL
+   (2p, 2p+1); NEOX/MROPE/IMROPE (p, p + n_dims/2); VISION (p, p + n_dims), covering the whole head. One
+   driver per (pairing, in place, unit stride, serial/parallel) keeps exactly one loop, which vectorises when
+   the rows are contiguous (they are retyped as such, no copy).
+
+Layout: ``x`` (..., N, H, D) with any strides, e.g. Q = ``qkv[:, :H*D].reshape(N, H, D)`` of a fused projection
+output (a no-copy view), is read through its strides: leading axes are merged without a copy when NumPy can,
+otherwise looped over. float16 travels as uint16 bits (``_kernel.kernel_view``). The kernels run serially below
+``_threads.PARALLEL_MIN_BYTES`` and as a ``prange`` over tokens above it.
+
+``rope_set_rows`` is the same rotation with the output row of token i being ``dst[idx[i]]`` in the cache's dtype
+(float32, float16 or bfloat16, round to nearest even); on several threads, only the last of duplicate indices
+is written, so the last row wins as in ggml.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from decimal import Decimal, getcontext
+
+import numba
+import numpy as np
+from numba import prange, types
+from numba.core.errors import TypingError
+from numba.core.imputils import impl_ret_borrowed
+from numba.extending import intrinsic, overload
+
+from . import _threads
+from ._args import rope as _args
+from ._kernel import KERNEL_OPTIONS, from_f32, kernel_view, to_f32
+from ._modes import RopeMode
+from ._validate import FLOAT16, FLOAT32, STORAGE_FLOATS
+
+# ---------------------------------------------------------------------------------------------------------------
+# float64 sin/cos that vectorise: Cody-Waite reduction by pi/2 split in three parts. The first two parts carry
+# 22 significant bits, so k·PIO2_1 and k·PIO2_2 are exact for |k| < 2**31 and the reduction is accurate to about
+# 1e-16 absolute for |theta| < LARGE_ANGLE; beyond it the cache falls back to libm (rare: |pos·w| > 1e9).
+getcontext().prec = 60
+_PIO2 = Decimal("1.57079632679489661923132169163975144209858469968755291048747229615390820314310449931401741267")
+
+
+def _leading_bits(value: Decimal, bits: int) -> float:
+    mantissa, exponent = math.frexp(float(value))
+    scale = Decimal(2) ** (bits - exponent)
+    return float((value * scale).to_integral_value(rounding="ROUND_FLOOR") / scale)
+
+
+_PIO2_1 = _leading_bits(_PIO2, 22)
+_PIO2_2 = _leading_bits(_PIO2 - Decimal(_PIO2_1), 22)
+_PIO2_3 = float(_PIO2 - Decimal(_PIO2_1) - Decimal(_PIO2_2))
+_TWO_OVER_PI = float(1 / _PIO2)
+LARGE_ANGLE = 1e9
+
+# The cache kernels must not reassociate: ((theta - k·P1) - k·P2) - k·P3 is only exact in that order.
+_ORDERED = dict(KERNEL_OPTIONS, fastmath={"contract", "nsz", "arcp"})
+
+
+@numba.njit(**_ORDERED)
+def _sincos(theta):
+    """(sin, cos) of float64 ``theta`` with |theta| < LARGE_ANGLE, error < 1e-11. Branch-free."""
+    k = np.floor(theta * _TWO_OVER_PI + 0.5)
+    r = ((theta - k * _PIO2_1) - k * _PIO2_2) - k * _PIO2_3
+    r2 = r * r
+    # Taylor series on [-pi/4, pi/4]: the first omitted terms are < 7e-12 (sin) and 4e-13 (cos), far below the
+    # float32 rounding of the stored values.
+    sin_r = r + r * r2 * (-1.0 / 6 + r2 * (1.0 / 120 + r2 * (-1.0 / 5040 + r2 * (
+        1.0 / 362880 + r2 * (-1.0 / 39916800)))))
+    cos_r = 1.0 + r2 * (-0.5 + r2 * (1.0 / 24 + r2 * (-1.0 / 720 + r2 * (1.0 / 40320 + r2 * (
+        -1.0 / 3628800 + r2 * (1.0 / 479001600))))))
+    # quadrant k mod 4 kept in floating point: AVX2 has no packed float64 -> int64 conversion
+    quadrant = k - 4.0 * np.floor(k * 0.25)
+    swap = (quadrant == 1.0) | (quadrant == 3.0)
+    s = cos_r if swap else sin_r
+    c = sin_r if swap else cos_r
+    s = -s if quadrant >= 2.0 else s
+    c = -c if (quadrant == 1.0) | (quadrant == 2.0) else c
+    return s, c
+
+
+@numba.njit(**_ORDERED)
+def _cache_row(pos, n, streams, w, cos_scale, sin_scale, cos_row, sin_row, theta):
+    if pos.shape[0] == 1:
+        position = np.float64(pos[0, n])
+        for p in range(w.shape[0]):
+            theta[p] = position * w[p]
+    else:
+        for p in range(w.shape[0]):  # each pair's stream: a gather, kept apart so the next loop vectorises
+            theta[p] = pos[streams[p], n] * w[p]
+    for p in range(w.shape[0]):
+        s, c = _sincos(theta[p])
+        cos_row[p] = np.float32(c * cos_scale)
+        sin_row[p] = np.float32(s * sin_scale)
+    large = 0  # an integer count: vectorises without fast-math, unlike a float max
+    for p in range(w.shape[0]):
+        large += abs(theta[p]) >= LARGE_ANGLE
+    if large:  # rare: angles the reduction cannot take exactly
+        for p in range(w.shape[0]):
+            if abs(theta[p]) >= LARGE_ANGLE:
+                cos_row[p] = np.float32(math.cos(theta[p]) * cos_scale)
+                sin_row[p] = np.float32(math.sin(theta[p]) * sin_scale)
+
+
+@numba.njit(**_ORDERED)
+def _build_cache_serial(pos, streams, w, cos_scale, sin_scale, cs):
+    """cs: (N, 2·n_pairs) float32, cos then sin of each token."""
+    n_pairs = w.shape[0]
+    theta = np.empty(n_pairs)
+    for n in range(cs.shape[0]):
+        row = cs[n]
+        _cache_row(pos, n, streams, w, cos_scale, sin_scale, row[:n_pairs], row[n_pairs:], theta)
+
+
+@numba.njit(parallel=True, **_ORDERED)
+def _build_cache_parallel(pos, streams, w, cos_scale, sin_scale, cs):
+    n_pairs = w.shape[0]
+    for n in prange(cs.shape[0]):
+        theta = np.empty(n_pairs)
+        row = cs[n]
+        _cache_row(pos, n, streams, w, cos_scale, sin_scale, row[:n_pairs], row[n_pairs:], theta)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rotation kernels. Helpers are inlined into the drivers (a call per head row costs as much as its work).
+# No FMA contraction or reassociation here: a*c - b*s could contract either way, differently in the vectorised
+# body, the scalar remainder and the serial and parallel builds; with every product rounded on its own the
+# result is bit-identical across layouts and thread counts (and the op stays memory-bound).
+_EXACT = dict(KERNEL_OPTIONS, fastmath={"nsz", "arcp"})
+_INLINE = dict(_EXACT, inline="always")
+
+
+@intrinsic
+def _assume_contiguous(typingctx, row):
+    """Retype a 1-D 'A' array whose stride is its itemsize as 'C' (same data model, nothing copied), so that
+    LLVM sees unit stride and vectorises. The caller checks the stride."""
+    if not (isinstance(row, types.Array) and row.ndim == 1):
+        raise TypingError("expected a 1-D array")
+
+    def codegen(context, builder, signature, args):
+        return impl_ret_borrowed(context, builder, signature.return_type, args[0])
+
+    return row.copy(layout="C")(row), codegen
+
+
+def _store(v, like):
+    """Element ``v`` (float32, or float16/bfloat16 bits) as ``like``'s element type: raw when the types match."""
+    raise NotImplementedError
+
+
+@overload(_store, inline="always")
+def _store_impl(v, like):
+    if v == like.dtype:
+        return lambda v, like: v
+    return lambda v, like: from_f32(to_f32(v), like)
+
+
+@numba.njit(**_INLINE)
+def _rotate_in_place(row, cos, sin, n_pairs, interleaved):
+    """Rotate the pairs of ``row`` (D,) in place with one token's cos/sin (each pair is read before written)."""
+    if interleaved:
+        for p in range(n_pairs):
+            a = to_f32(row[2 * p])
+            b = to_f32(row[2 * p + 1])
+            row[2 * p] = from_f32(a * cos[p] - b * sin[p], row)
+            row[2 * p + 1] = from_f32(a * sin[p] + b * cos[p], row)
+    else:
+        first = row[:n_pairs]
+        second = row[n_pairs:2 * n_pairs]
+        for p in range(n_pairs):
+            a = to_f32(first[p])
+            b = to_f32(second[p])
+            first[p] = from_f32(a * cos[p] - b * sin[p], row)
+            second[p] = from_f32(a * sin[p] + b * cos[p], row)
+
+
+@numba.njit(**_INLINE)
+def _rotate_into(src, dst, cos, sin, n_pairs, interleaved):
+    """dst = rope(src) for separate rows of any element types: widened, rotated in float32, narrowed once; the
+    dims past the rotated span are copied (converted if the types differ)."""
+    if interleaved:
+        for p in range(n_pairs):
+            a = to_f32(src[2 * p])
+            b = to_f32(src[2 * p + 1])
+            dst[2 * p] = from_f32(a * cos[p] - b * sin[p], dst)
+            dst[2 * p + 1] = from_f32(a * sin[p] + b * cos[p], dst)
+    else:
+        src_first = src[:n_pairs]
+        src_second = src[n_pairs:2 * n_pairs]
+        dst_first = dst[:n_pairs]
+        dst_second = dst[n_pairs:2 * n_pairs]
+        for p in range(n_pairs):
+            a = to_f32(src_first[p])
+            b = to_f32(src_second[p])
+            dst_first[p] = from_f32(a * cos[p] - b * sin[p], dst)
+            dst_second[p] = from_f32(a * sin[p] + b * cos[p], dst)
+    src_tail = src[2 * n_pairs:]
+    dst_tail = dst[2 * n_pairs:]
+    for j in range(src_tail.shape[0]):
+        dst_tail[j] = _store(src_tail[j], dst)
+
+
+@numba.njit(**_INLINE)
+def _rope_head(src, dst, cache_row, n_pairs, interleaved, in_place, unit_stride):
+    """One head row. cos and sin are slices of one cache row, so LLVM's alias checks group them (and src's and
+    dst's halves): the out-of-place loop then stays under its check limit and vectorises. ``unit_stride``
+    (checked by the caller for the whole array) retypes the rows as contiguous so the loops vectorise."""
+    cos = cache_row[:n_pairs]
+    sin = cache_row[n_pairs:]
+    if unit_stride:
+        if in_place:
+            _rotate_in_place(_assume_contiguous(dst), cos, sin, n_pairs, interleaved)
+        else:
+            _rotate_into(_assume_contiguous(src), _assume_contiguous(dst), cos, sin, n_pairs, interleaved)
+    elif in_place:
+        _rotate_in_place(dst, cos, sin, n_pairs, interleaved)
+    else:
+        _rotate_into(src, dst, cos, sin, n_pairs, interleaved)
+
+
+#: (interleaved, in_place, unit_stride, parallel) -> driver, filled by _rope_driver (a plain dict: the lean
+#: decode path looks it up without functools' call overhead)
+_DRIVERS: dict = {}
+
+
+def _rope_driver(interleaved: bool, in_place: bool, unit_stride: bool, parallel: bool):
+    """The kernel ``(x, out, cs, n_pairs)`` for one combination of flags (made once). The flags are closure
+    constants, so each driver keeps only its own loop: with them as run-time arguments, or with a per-row stride
+    test, the NEOX out-of-place loop ran 1.25-1.7x slower. x, out: (B, N, H, D) of one dtype (out may be x); cs:
+    (N, 2·n_pairs) float32, cos then sin. In parallel the tokens are split between threads."""
+    key = (interleaved, in_place, unit_stride, parallel)
+    if key in _DRIVERS:
+        return _DRIVERS[key]
+    if parallel:
+        @numba.njit(parallel=True, **_EXACT)
+        def drive(x, out, cs, n_pairs):
+            for n in prange(x.shape[1]):
+                _rope_token(x, out, n, cs, n_pairs, interleaved, in_place, unit_stride)
+    else:
+        @numba.njit(**_EXACT)
+        def drive(x, out, cs, n_pairs):
+            for n in range(x.shape[1]):
+                _rope_token(x, out, n, cs, n_pairs, interleaved, in_place, unit_stride)
+    return _DRIVERS.setdefault(key, drive)
+
+
+@numba.njit(**_INLINE)
+def _rope_token(x, out, n, cs, n_pairs, interleaved, in_place, unit_stride):
+    cache_row = cs[n]
+    for b in range(x.shape[0]):
+        xb = x[b, n]
+        ob = out[b, n]
+        for h in range(xb.shape[0]):
+            _rope_head(xb[h], ob[h], cache_row, n_pairs, interleaved, in_place, unit_stride)
+
+
+@functools.cache
+def _set_rows_driver(interleaved: bool, unit_stride: bool, parallel: bool):
+    """The rope_set_rows kernel ``(x, dst, idx, keep, cs, n_pairs)``: x (N, H, D) K rows, dst (R, H, D) cache;
+    token i goes to dst[idx[i]]. Serially in order (the last duplicate wins); in parallel only tokens with
+    keep[i] (the last of their index) write."""
+    if parallel:
+        @numba.njit(parallel=True, **_EXACT)
+        def drive(x, dst, idx, keep, cs, n_pairs):
+            for i in prange(x.shape[0]):
+                if keep[i]:
+                    _set_row(x, dst, i, idx[i], cs, n_pairs, interleaved, unit_stride)
+    else:
+        @numba.njit(**_EXACT)
+        def drive(x, dst, idx, keep, cs, n_pairs):
+            for i in range(x.shape[0]):
+                _set_row(x, dst, i, idx[i], cs, n_pairs, interleaved, unit_stride)
+    return drive
+
+
+@numba.njit(**_INLINE)
+def _set_row(x, dst, i, row, cs, n_pairs, interleaved, unit_stride):
+    cache_row = cs[i]
+    xi = x[i]
+    di = dst[row]
+    for h in range(xi.shape[0]):
+        _rope_head(xi[h], di[h], cache_row, n_pairs, interleaved, False, unit_stride)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-pair tables: which stream each pair reads and its float64 angle factor. Position-independent: memoised.
+def _c_max(a, b):
+    return a if a > b else b  # C's MAX macro, as ggml uses it (NaN-propagation included)
+
+
+def _c_min(a, b):
+    return a if a < b else b
+
+
+def _yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow) -> tuple[float, float]:
+    """ggml_rope_yarn_corr_dims in float32 (its floor/ceil decide integer boundaries, so follow ggml's rounding)."""
+    f32 = np.float32
+    log_base = f32(2) * np.log(f32(freq_base))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        start = np.floor(f32(n_dims) * np.log(f32(n_ctx_orig) / (f32(beta_fast) * f32(2) * f32(np.pi))) / log_base)
+        end = np.ceil(f32(n_dims) * np.log(f32(n_ctx_orig) / (f32(beta_slow) * f32(2) * f32(np.pi))) / log_base)
+    return float(_c_max(f32(0), start)), float(_c_min(f32(n_dims - 1), end))
+
+
+@dataclass(frozen=True)
+class _PairTable:
+    streams: np.ndarray  # int64 (n_pairs,): 0..3 = t, h, w, e
+    w: np.ndarray  # float64 (n_pairs,): theta = pos * w
+    cos_scale: float  # mscale
+    sin_scale: float  # mscale, negated for backward
+
+
+def _pair_streams(mode: RopeMode, sections, n_pairs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stream and frequency exponent of every pair (ggml_mrope_cache_init's section logic, vectorised)."""
+    pairs = np.arange(n_pairs)
+    if sections is None:
+        return np.zeros(n_pairs, np.int64), pairs
+    s0, s1, s2, _ = sections
+    sector = pairs % sum(sections)
+    if mode == RopeMode.IMROPE:
+        streams = np.select([(sector % 3 == 1) & (sector < 3 * s1), (sector % 3 == 2) & (sector < 3 * s2),
+                             (sector % 3 == 0) & (sector < 3 * s0)], [1, 2, 0], 3)
+    else:
+        streams = np.select([sector < s0, sector < s0 + s1, sector < s0 + s1 + s2], [0, 1, 2], 3)
+    exponents = pairs
+    if mode == RopeMode.VISION:
+        # Each stream's exponent restarts at its section's first sector; ggml tests t, h, w, e in order, so a
+        # stream whose start coincides with an earlier one's (an empty section before it) never restarts.
+        starts = [0, s0, s0 + s1, s0 + s1 + s2]
+        since_restart = np.empty((4, n_pairs), np.int64)
+        for s, start in enumerate(starts):
+            restarts = (sector == start) & (starts.index(start) == s)
+            since_restart[s] = pairs - np.maximum.accumulate(np.where(restarts, pairs, 0))
+        exponents = since_restart[streams, pairs]
+    return streams.astype(np.int64), exponents
+
+
+@functools.lru_cache(maxsize=256)
+def _pair_table_cached(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast,
+                       beta_slow, freq_factors_bytes, sections, backward) -> _PairTable:
+    n_pairs = n_dims if mode == RopeMode.VISION else n_dims // 2
+    streams, exponents = _pair_streams(mode, sections, n_pairs)
+    inv_freq = freq_base ** (-2.0 * exponents / n_dims)
+    if freq_factors_bytes is not None:
+        inv_freq = inv_freq / np.frombuffer(freq_factors_bytes, np.float64)
+    scale = np.full(n_pairs, freq_scale)
+    mscale = attn_factor
+    if ext_factor != 0:
+        low, high = _yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
+        ramp = np.array([1.0 - _c_min(1.0, _c_max(0.0, (p - low) / _c_max(0.001, high - low)))
+                         for p in range(n_pairs)])
+        mix = ramp * ext_factor
+        scale = freq_scale * (1 - mix) + mix  # theta = extrap·(freq_scale·(1 - mix) + mix)
+        mscale *= 1.0 + 0.1 * math.log(1.0 / freq_scale)
+    w = np.ascontiguousarray(inv_freq * scale, np.float64)
+    for a in (streams, w):
+        a.flags.writeable = False
+    return _PairTable(streams, w, mscale, -mscale if backward else mscale)
+
+
+def _pair_table(p: _args.RopeParams) -> _PairTable:
+    ff = None if p.freq_factors is None else p.freq_factors.tobytes()
+    return _pair_table_cached(p.n_dims, p.mode, p.freq_base, p.freq_scale, p.n_ctx_orig, p.ext_factor,
+                              p.attn_factor, p.beta_fast, p.beta_slow, ff, p.sections, p.backward)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public API.
+@dataclass(frozen=True, eq=False)
+class RopeCache:
+    """cos and sin of N tokens' pairs, float32, scaled by mscale (sin negated for backward), stored side by side
+    in ``cs`` (N, 2·n_pairs); ``cos`` and ``sin`` are (N, n_pairs) views.
+
+    Build with ``rope_cache`` once per step; ``apply_rope_cache(q, cache)`` and ``apply_rope_cache(k, cache)``
+    then skip all angle work."""
+
+    cs: np.ndarray
+    params: _args.RopeParams
+    n_pairs: int
+    interleaved: bool  # NORMAL: pairs (2p, 2p+1); otherwise (p, p + n_pairs)
+    n_tokens: int
+    min_head_dim: int  # D must be >= this (VISION: == this)
+    exact_head_dim: bool
+
+    @property
+    def cos(self) -> np.ndarray:
+        return self.cs[:, :self.n_pairs]
+
+    @property
+    def sin(self) -> np.ndarray:
+        return self.cs[:, self.n_pairs:]
+
+
+def _build_cache(pos: np.ndarray, params: _args.RopeParams) -> RopeCache:
+    table = _pair_table(params)
+    n_tokens = pos.shape[1]
+    cs = np.empty((n_tokens, 2 * params.n_pairs), np.float32)
+    # ~40 float64 flops per pair: parallel only when there are many tokens
+    if n_tokens >= 64 and _threads.threads_for(n_tokens * params.n_pairs * 64) > 1:
+        _build_cache_parallel(pos, table.streams, table.w, table.cos_scale, table.sin_scale, cs)
+    else:
+        _build_cache_serial(pos, table.streams, table.w, table.cos_scale, table.sin_scale, cs)
+    vision = params.mode == RopeMode.VISION
+    return RopeCache(cs, params, params.n_pairs, params.mode == RopeMode.NORMAL, n_tokens,
+                     2 * params.n_dims if vision else params.n_dims, vision)
+
+
+def rope_cache(pos: np.ndarray, *, n_dims: int, mode: int, freq_base: float = 10000.0, freq_scale: float = 1.0,
+               n_ctx_orig: int = 0, ext_factor: float = 0.0, attn_factor: float = 1.0, beta_fast: float = 32.0,
+               beta_slow: float = 1.0, freq_factors: np.ndarray | None = None, sections=None,
+               backward: bool = False) -> RopeCache:
+    """The cos/sin tables of ``rope_ext`` for positions ``pos`` ((N,), or (4, N) for MROPE/IMROPE/VISION).
+
+    Parameters as ``rope_ext``. Apply to any number of tensors with the same positions (Q and K) with
+    ``apply_rope_cache``."""
+    params = _args.parse_params(n_dims=n_dims, mode=mode, freq_base=freq_base, freq_scale=freq_scale,
+                                n_ctx_orig=n_ctx_orig, ext_factor=ext_factor, attn_factor=attn_factor,
+                                beta_fast=beta_fast, beta_slow=beta_slow, freq_factors=freq_factors,
+                                sections=sections, backward=backward)
+    return _build_cache(_args.parse_pos(pos, params), params)
+
+
+def _as_4d(a: np.ndarray) -> np.ndarray | None:
+    """(..., N, H, D) as (B, N, H, D) without a copy, or None when the leading axes cannot merge."""
+    if a.ndim == 3:
+        return a[None]
+    if a.ndim == 4:
+        return a
+    try:
+        return a.reshape((-1,) + a.shape[-3:], copy=False)
+    except ValueError:
+        return None
+
+
+def _run(xk: np.ndarray, ok: np.ndarray, cache: RopeCache, in_place: bool, nbytes: int) -> None:
+    """The kernel call on (B, N, H, D) kernel views. The size test comes first: asking for the thread count
+    costs ~1 us, as much as a decode-sized rotation."""
+    parallel = nbytes >= _threads.PARALLEL_MIN_BYTES and xk.shape[1] > 1 and _threads.threads_for(nbytes) > 1
+    unit_stride = xk.strides[3] == xk.itemsize and ok.strides[3] == ok.itemsize
+    _rope_driver(cache.interleaved, in_place, unit_stride, parallel)(xk, ok, cache.cs, cache.n_pairs)
+
+
+def _apply(x: np.ndarray, out: np.ndarray, cache: RopeCache) -> None:
+    x4 = _as_4d(x)
+    out4 = _as_4d(out)
+    if x4 is None or out4 is None:  # leading axes that do not merge: one call per leading index, no copy
+        for index in np.ndindex(*x.shape[:-4]):
+            _apply(x[index], out[index], cache)
+        return
+    xk = kernel_view(x4)
+    _run(xk, xk if out is x else kernel_view(out4), cache, out is x, 2 * x.nbytes)
+
+
+def apply_rope_cache(x: np.ndarray, cache: RopeCache, *, out: np.ndarray | None = None) -> np.ndarray:
+    """Rotate ``x`` (..., N, H, D), float32 or float16, any strides, by a prebuilt ``cache`` of N tokens.
+
+    ``out``: None (a new array of ``x``'s dtype), ``x`` itself (in place; dims past the rotated ones untouched),
+    or an array of ``x``'s shape and dtype, possibly strided. Returns the array written."""
+    if type(cache) is not RopeCache:
+        raise TypeError(f"cache must be a RopeCache from fastattn.rope_cache, got {type(cache).__name__}")
+    # A lean path for the common call, (N, H, D) float32/float16 with out None, x, or a fresh array like x: a
+    # decode step makes it twice per layer and the full checks below cost more than the rotation. The same
+    # checks, in a cheaper order; anything unusual (and every error) takes the full path.
+    if type(x) is np.ndarray and x.ndim == 3:
+        dtype = x.dtype
+        n, _, d = x.shape
+        if ((dtype is FLOAT32 or dtype is FLOAT16) and n == cache.n_tokens
+                and (d == cache.min_head_dim or (d > cache.min_head_dim and not cache.exact_head_dim))
+                and (out is None
+                     or (out is x and x.flags.writeable)
+                     or (type(out) is np.ndarray and out.dtype is dtype and out.shape == x.shape
+                         and out.flags.writeable and not np.may_share_memory(out, x)))):
+            in_place = out is x
+            if out is None:
+                out = np.empty_like(x, order="C")
+            if dtype is FLOAT16:
+                xk = x.view(np.uint16)[None]
+                ok = xk if in_place else out.view(np.uint16)[None]
+            else:
+                xk = x[None]
+                ok = xk if in_place else out[None]
+            nbytes = 2 * x.nbytes
+            parallel = nbytes >= _threads.PARALLEL_MIN_BYTES and n > 1 and _threads.threads_for(nbytes) > 1
+            itemsize = x.itemsize
+            unit_stride = x.strides[2] == itemsize and out.strides[2] == itemsize
+            driver = _DRIVERS.get((cache.interleaved, in_place, unit_stride, parallel))
+            if driver is None:
+                driver = _rope_driver(cache.interleaved, in_place, unit_stride, parallel)
+            driver(xk, ok, cache.cs, cache.n_pairs)
+            return out
+    _args.parse_x(x)
+    shape = x.shape
+    cache.params.check_head_dim("x", shape[-1])
+    if shape[-3] != cache.n_tokens:
+        raise ValueError(f"x must have one token per cached position: {cache.n_tokens}, got {shape[-3]}")
+    if out is None:
+        out = np.empty(shape, x.dtype)
+    elif out is not x:
+        _args.parse_out(out, x, dtypes=(x.dtype,))
+    elif not x.flags.writeable:
+        raise ValueError("out (x, in place) must be writeable")
+    _apply(x, out, cache)
+    return out
+
+
+def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_base: float = 10000.0,
+             freq_scale: float = 1.0, n_ctx_orig: int = 0, ext_factor: float = 0.0, attn_factor: float = 1.0,
+             beta_fast: float = 32.0, beta_slow: float = 1.0, freq_factors: np.ndarray | None = None,
+             sections=None, backward: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+    """Rotary position embedding with ggml's semantics.
+
+    x: (..., N, H, D) float32 or float16, any strides. pos: int32 (N,), or (4, N) (streams t, h, w, e) for
+    ROPE_MROPE / ROPE_IMROPE / ROPE_VISION. n_dims: rotated dims (even, <= D; VISION: D/2). mode: a ROPE_*
+    constant. freq_factors: (n_pairs,) divisors of theta (llama3 scaling). sections: 4 ints for the
+    multi-position modes. backward: the inverse rotation. out: None, ``x`` (in place) or an array like ``x``.
+    Returns the rotated array, ``x``'s dtype."""
+    params = _args.parse_params(n_dims=n_dims, mode=mode, freq_base=freq_base, freq_scale=freq_scale,
+                                n_ctx_orig=n_ctx_orig, ext_factor=ext_factor, attn_factor=attn_factor,
+                                beta_fast=beta_fast, beta_slow=beta_slow, freq_factors=freq_factors,
+                                sections=sections, backward=backward)
+    _args.parse_x(x)
+    params.check_head_dim("x", x.shape[-1])
+    pos = _args.parse_pos(pos, params, x.shape[-3])
+    out = _args.parse_out(out, x, dtypes=(x.dtype,))
+    if out is x and not x.flags.writeable:
+        raise ValueError("out (x, in place) must be writeable")
+    return apply_rope_cache(x, _build_cache(pos, params), out=out)
+
+
+def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarray, *, n_dims: int, mode: int,
+                  freq_base: float = 10000.0, freq_scale: float = 1.0, n_ctx_orig: int = 0,
+                  ext_factor: float = 0.0, attn_factor: float = 1.0, beta_fast: float = 32.0,
+                  beta_slow: float = 1.0, freq_factors: np.ndarray | None = None, sections=None,
+                  backward: bool = False) -> np.ndarray:
+    """Fused ``set_rows(dst, rope_ext(x, pos, ...), idx)``: rotate K rows and write them into a KV cache.
+
+    dst: (R, H, D) or (R, H·D) float32 / float16 / bfloat16 cache (token-major). x: (N, H, D) float32 or
+    float16, any strides. idx: int32/int64 (N,) rows of ``dst``, each in [0, R) (else ValueError, nothing
+    written); duplicates: the last wins. Returns ``dst``."""
+    params = _args.parse_params(n_dims=n_dims, mode=mode, freq_base=freq_base, freq_scale=freq_scale,
+                                n_ctx_orig=n_ctx_orig, ext_factor=ext_factor, attn_factor=attn_factor,
+                                beta_fast=beta_fast, beta_slow=beta_slow, freq_factors=freq_factors,
+                                sections=sections, backward=backward)
+    dst3, idx = _args.parse_set_rows(dst, x, idx, params, dst_dtypes=STORAGE_FLOATS)
+    pos = _args.parse_pos(pos, params, x.shape[0])
+    if x.shape[0]:
+        _set_rows(dst3, x, idx, _build_cache(pos, params))
+    return dst
+
+
+_DST_DTYPES = frozenset(STORAGE_FLOATS)
+_IDX_DTYPES = frozenset((np.dtype(np.int32), np.dtype(np.int64)))
+
+
+def apply_rope_cache_set_rows(dst: np.ndarray, x: np.ndarray, cache: RopeCache, idx: np.ndarray) -> np.ndarray:
+    """``rope_set_rows`` with a prebuilt ``cache`` (the one a decode step builds once for Q and K): rotate K rows
+    ``x`` (N, H, D) and write them into rows ``idx`` of ``dst`` ((R, H, D) or (R, H·D)). Returns ``dst``."""
+    if type(cache) is not RopeCache:
+        raise TypeError(f"cache must be a RopeCache from fastattn.rope_cache, got {type(cache).__name__}")
+    # Lean path for a decode step's few K rows into a 3-D cache: parse_set_rows' checks in a cheaper order (they
+    # cost more than the write). Anything unusual, and every error, takes the full path.
+    if (type(x) is np.ndarray and type(dst) is np.ndarray and type(idx) is np.ndarray and x.ndim == 3
+            and idx.ndim == 1 and 0 < x.shape[0] <= 16):
+        n, h, d = x.shape
+        dst3 = dst
+        if dst.ndim == 2 and dst.shape[1] == h * d and dst.strides[1] == dst.itemsize:
+            dst3 = dst.reshape(dst.shape[0], h, d)  # a contiguous row axis splits without a copy
+        if (dst3.ndim == 3 and (x.dtype is FLOAT32 or x.dtype is FLOAT16) and dst.dtype in _DST_DTYPES
+                and idx.dtype in _IDX_DTYPES and n == cache.n_tokens and idx.shape[0] == n
+                and dst3.shape[1] == h and dst3.shape[2] == d
+                and (d == cache.min_head_dim or (d > cache.min_head_dim and not cache.exact_head_dim))
+                and dst.flags.writeable and not np.may_share_memory(dst, x)):
+            rows = idx.tolist()
+            if min(rows) >= 0 and max(rows) < dst.shape[0]:
+                _set_rows(dst3, x, idx, cache)
+                return dst
+    dst3, idx = _args.parse_set_rows(dst, x, idx, cache.params, dst_dtypes=STORAGE_FLOATS)
+    if x.shape[0] != cache.n_tokens:
+        raise ValueError(f"x must have one token per cached position: {cache.n_tokens}, got {x.shape[0]}")
+    if x.shape[0]:
+        _set_rows(dst3, x, idx, cache)
+    return dst
+
+
+def _set_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, cache: RopeCache) -> None:
+    n_tokens = x.shape[0]
+    xk = kernel_view(x)
+    dk = kernel_view(dst3)
+    nbytes = x.nbytes + x.size * dst3.itemsize
+    parallel = n_tokens > 1 and nbytes >= _threads.PARALLEL_MIN_BYTES and _threads.threads_for(nbytes) > 1
+    keep = np.zeros(n_tokens if parallel else 0, np.bool_)
+    if parallel:
+        if np.all(idx[1:] > idx[:-1]):  # the usual consecutive cache slots: no duplicates, no sort needed
+            keep[:] = True
+        else:
+            _, last_from_end = np.unique(idx[::-1], return_index=True)
+            keep[n_tokens - 1 - last_from_end] = True
+    unit_stride = xk.strides[2] == xk.itemsize and dk.strides[2] == dk.itemsize
+    _set_rows_driver(cache.interleaved, unit_stride, parallel)(xk, dk, idx, keep, cache.cs, cache.n_pairs)
