@@ -98,7 +98,8 @@ class LlamaLayer:
             fastattn.rope_set_rows(self.k_cache, k, pos, pos, n_dims=d, mode=fastattn.ROPE_NEOX,
                                    freq_base=c.rope_base)
         with t("set_rows"):
-            fastattn.set_rows(self.v_cache, v, pos)
+            # set_rows writes rows of the second-to-last axis: the (R, Hkv, D) cache as (R, Hkv*D), no copy
+            fastattn.set_rows(self.v_cache.reshape(c.max_ctx, hkv * d), v.reshape(n, hkv * d), pos)
         n_kv = int(pos.max()) + 1
         with t("flash_attn_ext"):
             keys = self.k_cache[:n_kv].transpose(1, 0, 2)[None]  # (1, Hkv, n_kv, D): a view of the cache

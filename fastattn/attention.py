@@ -10,7 +10,7 @@ mask into kernel views (float16 as uint16 bits, bfloat16 as int16 bits: nothing 
 computes the ALiBi slopes, allocates ``out`` when needed, and hands everything to one path module:
 
 - ``one_chunk`` (``_attention_one_chunk``): per query row, online softmax over the whole KV range;
-- ``tiled`` (``_attention_tiled``, imported on first use): Q tiles x KV tiles, for prefill;
+- ``tiled`` (``_attention_tiled``): Q tiles x KV tiles, for prefill;
 - ``split_kv`` (``_attention_split_kv``): decode, KV chunks reduced in a fixed order (thread-count independent).
 
 ``auto`` follows ggml (see ``choose_path`` and docs/attention.md for where and why it differs).
@@ -18,42 +18,28 @@ computes the ALiBi slopes, allocates ``out`` when needed, and hands everything t
 from __future__ import annotations
 
 import functools
-import importlib
 
 import numpy as np
 
 from ._args import attention as _args
 from ._attention_one_chunk import run_one_chunk
 from ._attention_split_kv import run_split_kv
+from ._attention_tiled import Q_TILE, run_tiled
 from ._kernel import FLOAT16, FLOAT32, kernel_view
 
-#: Nq at which ``auto`` takes the tiled path when the tiled module does not state its own Q tile (ggml's 64).
-DEFAULT_Q_TILE = 64
 #: Nkv from which ``auto`` takes split_kv for decode (ggml's threshold).
 SPLIT_KV_MIN_NKV = 512
-
-
-@functools.lru_cache(maxsize=None)
-def _tiled_module():
-    """The tiled path's module, or None while it is not installed (looked up once per process)."""
-    try:
-        return importlib.import_module("._attention_tiled", __package__)
-    except ModuleNotFoundError as error:
-        if error.name != f"{__package__}._attention_tiled":
-            raise
-        return None
 
 
 def choose_path(B: int, Nq: int, Nkv: int, k_dtype: np.dtype, v_dtype: np.dtype) -> str:
     """The path ``auto`` takes for these sizes and K/V dtypes.
 
     split_kv for decode (Nq == 1, B == 1, K and V both float32 or both float16, Nkv >= SPLIT_KV_MIN_NKV); tiled
-    when Nq reaches the tiled path's Q tile (and the tiled module is installed); one_chunk otherwise.
+    when Nq reaches the tiled path's Q tile; one_chunk otherwise.
     """
     if Nq == 1 and B == 1 and k_dtype == v_dtype and k_dtype in (FLOAT32, FLOAT16) and Nkv >= SPLIT_KV_MIN_NKV:
         return "split_kv"
-    tiled = _tiled_module()
-    if tiled is not None and Nq >= getattr(tiled, "Q_TILE", DEFAULT_Q_TILE):
+    if Nq >= Q_TILE:
         return "tiled"
     return "one_chunk"
 
@@ -69,10 +55,7 @@ def _runner(path: str):
         return run_one_chunk
     if path == "split_kv":
         return run_split_kv
-    tiled = _tiled_module()
-    if tiled is None:
-        raise ValueError("path 'tiled' is not available in this build (fastattn._attention_tiled is missing)")
-    return tiled.run_tiled
+    return run_tiled
 
 
 def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,

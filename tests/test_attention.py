@@ -1,7 +1,7 @@
-"""flash_attn_ext: every path (one_chunk, split_kv, tiled when installed, auto) against the float64 reference.
+"""flash_attn_ext: every path (one_chunk, split_kv, tiled, auto) against the float64 reference.
 
 The SPEC's rule: max |fast - reference| <= 2 x max |naive float32 - reference| + a small floor, where the naive
-float32 evaluation is the formula written straight in float32 NumPy (``naive_float32`` below). Inputs are strided
+float32 evaluation is the formula written straight in float32 NumPy (``attention_cases.naive_f32``). Inputs are strided
 views with guard bands; ``out`` is checked to be written in full and nothing around it touched.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from rules import assert_within_rule
+from attention_cases import FLOOR, naive_f32
 from strategies import attention_masks, dims, fill, float_dtypes, strided, thread_counts
 
 import fastattn
@@ -21,47 +22,7 @@ from fastattn import reference
 from fastattn._args.attention import alibi_slopes
 from fastattn.attention import choose_path
 
-FLOOR = 2e-6  # absolute: outputs are averages of O(1) values; covers fast_exp's 3e-7 relative error
 PATHS = ["one_chunk", "split_kv", "tiled", "auto"]
-
-
-def tiled_available() -> bool:
-    try:
-        import fastattn._attention_tiled  # noqa: F401
-    except ModuleNotFoundError:
-        return False
-    return True
-
-
-def skip_missing(path: str) -> None:
-    if path == "tiled" and not tiled_available():
-        pytest.skip("fastattn._attention_tiled is not installed yet")
-
-
-def naive_float32(q, k, v, mask=None, *, scale, max_bias=0.0, logit_softcap=0.0, sinks=None):
-    """The formula in straightforward float32 NumPy: the error yardstick of the SPEC's rule."""
-    f32 = np.float32
-    B, Hq, Nq, _ = q.shape
-    Bk, Hkv = k.shape[:2]
-    if mask is not None:
-        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-    slopes = alibi_slopes(Hq, max_bias).astype(f32)
-    out = np.zeros((B, Nq, Hq, v.shape[3]), f32)
-    for b in range(B):
-        for h in range(Hq):
-            keys = k[b // (B // Bk), h // (Hq // Hkv)].astype(f32)
-            values = v[b // (B // Bk), h // (Hq // Hkv)].astype(f32)
-            s = f32(scale) * (q[b, h] @ keys.T)
-            if logit_softcap:
-                s = f32(logit_softcap) * np.tanh(s / f32(logit_softcap))
-            if mask is not None:
-                s = s + slopes[h] * mask[b % mask.shape[0], h % mask.shape[1], :Nq].astype(f32)
-            sink = f32(-np.inf) if sinks is None else sinks[h]
-            top = np.maximum(s.max(axis=1), sink)
-            live = top > -np.inf
-            w = np.exp(s[live] - top[live, None])
-            out[b, live, h] = (w @ values) / (w.sum(axis=1) + np.exp(sink - top[live]))[:, None]
-    return out
 
 
 def logit_rounding_bound(q, k, v, scale) -> float:
@@ -83,7 +44,7 @@ def check(q, k, v, mask=None, *, path, threads=1, out=None, what="", big_logits=
     if out is not None:
         assert fast is out
     ref = reference.flash_attn_ext(q, k, v, mask, out=np.empty(fast.shape, np.float64), **params)
-    naive = naive_float32(q, k, v, mask, **params)
+    naive = naive_f32(q, k, v, mask, **params)
     assert fast.dtype == np.float32 and fast.shape == ref.shape
     assert np.isfinite(fast).all(), f"{what}: non-finite output"
     floor = FLOOR + (logit_rounding_bound(q, k, v, params["scale"]) if big_logits else 0.0)
@@ -125,7 +86,6 @@ def attention_problems(draw, path):
 @pytest.mark.parametrize("path", PATHS)
 @given(data=st.data(), threads=thread_counts)
 def test_path_matches_reference(path, data, threads):
-    skip_missing(path)
     q, k, v, mask, params, out, big_logits = data.draw(attention_problems(path))
     what = (f"q {q.array.shape} k {k.array.shape} {k.array.dtype} v {v.array.shape} mask "
             f"{None if mask is None else (mask.shape, mask.dtype)} {params}")
@@ -142,7 +102,6 @@ def test_path_matches_reference(path, data, threads):
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_decode_and_short_prefill_around_the_split_threshold(path, Nkv, dtype):
     """Llama-like heads (GQA 4) at the split_kv threshold and past a chunk boundary, causal mask, 1 and 2 threads."""
-    skip_missing(path)
     rng = np.random.default_rng(Nkv)
     Nq = 1 if path == "split_kv" else 5
     q = fill(rng, (1, 8, Nq, 64), np.float32)
@@ -157,7 +116,6 @@ def test_decode_and_short_prefill_around_the_split_threshold(path, Nkv, dtype):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("DK,DV", [(192, 128), (576, 512)])
 def test_large_and_unequal_head_sizes(path, DK, DV):
-    skip_missing(path)
     rng = np.random.default_rng(DK)
     Nq = 1 if path == "split_kv" else 3
     q = fill(rng, (1, 4, Nq, DK), np.float32)
@@ -169,7 +127,6 @@ def test_large_and_unequal_head_sizes(path, DK, DV):
 @pytest.mark.parametrize("path", PATHS)
 def test_mixed_kv_dtypes_and_token_major_cache(path):
     """K float16 and V float32; K read from a token-major cache (Nkv, Hkv, D) through a transposed view."""
-    skip_missing(path)
     rng = np.random.default_rng(5)
     Nq = 1 if path == "split_kv" else 4
     cache = fill(rng, (50, 2, 32), np.float16)
@@ -181,7 +138,6 @@ def test_mixed_kv_dtypes_and_token_major_cache(path):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_fully_masked_rows_give_exact_zeros(path):
-    skip_missing(path)
     rng = np.random.default_rng(1)
     Nq = 1 if path == "split_kv" else 70
     q = fill(rng, (1, 4, Nq, 16), np.float32)
@@ -268,7 +224,7 @@ def test_auto_follows_ggml_rule():
     assert choose_path(2, 1, 4096, f16, f16) == "one_chunk"
     assert choose_path(1, 1, 4096, f16, f32) == "one_chunk"
     assert choose_path(1, 5, 4096, f16, f16) == "one_chunk"
-    assert choose_path(1, 512, 512, f16, f16) == ("tiled" if tiled_available() else "one_chunk")
+    assert choose_path(1, 512, 512, f16, f16) == "tiled"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -319,6 +275,6 @@ def test_against_torch_sdpa():
         torch.from_numpy(q.astype(np.float64)), torch.from_numpy(k.astype(np.float64)),
         torch.from_numpy(v.astype(np.float64)), attn_mask=torch.from_numpy(mask.astype(np.float64)), scale=0.3,
         enable_gqa=True).numpy().transpose(0, 2, 1, 3)
-    for path in ("one_chunk", "auto") + (("tiled",) if tiled_available() else ()):
+    for path in ("one_chunk", "tiled", "auto"):
         got = fastattn.flash_attn_ext(q, k, v, mask, scale=0.3, path=path)
         assert np.abs(got - want).max() < 1e-5

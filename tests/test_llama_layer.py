@@ -4,6 +4,7 @@ Prefill 8 tokens, then decode 4 one at a time through the KV cache; every positi
 the Hugging Face layer run on the whole sequence within float32 tolerance.
 """
 import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "llama_layer.py"
 def _load_example():
     spec = importlib.util.spec_from_file_location("llama_layer", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
