@@ -10,8 +10,13 @@ import numpy as np
 import pytest
 
 import fastattn
+from fastattn.jobs.blas import set_blas_threads
 
 THREADS = [1, 2]
+
+# The references' matmuls would leave OpenBLAS workers spinning on the cores our prange workers need
+# (fastattn/jobs/blas.py); torch's own threads are set per benchmark below.
+set_blas_threads(1)
 
 
 def torch_or_none():

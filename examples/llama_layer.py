@@ -5,15 +5,19 @@
 The layer, per call on N new tokens at positions ``pos`` (the non-GEMM ops are fastattn's, the GEMMs NumPy's):
 
     h    = rms_norm_mul(x, attn_norm)                   fused RMSNorm * weight
-    qkv  = h @ wqkv                                     one fused projection, (N, (Hq + 2 Hkv) * D)
+    qkv  = h @ wqkv (+ bqkv)                            one fused projection, (N, (Hq + 2 Hkv) * D)
     q    = rope(qkv[:, :Hq*D] as (N, Hq, D))            in place on a strided view of qkv: no copy
-    kv_cache[pos] = rope(k), v                          rope_set_rows (fused) and set_rows, float16 cache
+    kv_cache[rows] = rope(k), v                         rope_set_rows (fused) and set_rows, float16 cache
     a    = flash_attn_ext(q, K[:n_kv], V[:n_kv], causal mask, path="auto")
     s, h = add_rms_norm_mul(x, a @ wo, ffn_norm)        residual add fused in front of the FFN norm
     out  = s + (silu(h @ w_gate) * (h @ w_up)) @ w_down   SwiGLU FFN
 
+RoPE is NEOX by default; ``LlamaConfig(rope_mode=fastattn.ROPE_MROPE, rope_sections=(...))`` with (4, N) positions
+and explicit cache ``rows`` makes it a Qwen2-VL text layer (with ``LayerWeights.bqkv``, the q/k/v biases).
+
 It prints the time per token of prefill and decode and the share of each op. ``tests/test_llama_layer.py``
-checks it against Hugging Face's ``LlamaModel`` when transformers is installed.
+checks it against Hugging Face's ``LlamaModel`` and ``tests/test_qwen2vl_layer.py`` against ``Qwen2VLTextModel``
+when transformers is installed.
 """
 from __future__ import annotations
 
@@ -38,6 +42,8 @@ class LlamaConfig:
     eps: float = 1e-5
     rope_base: float = 500000.0
     max_ctx: int = 1024
+    rope_mode: int = fastattn.ROPE_NEOX
+    rope_sections: tuple[int, int, int, int] | None = None  # rotation pairs per stream t, h, w, e (M-RoPE modes)
 
 
 @dataclass
@@ -51,6 +57,7 @@ class LayerWeights:
     w_gate: np.ndarray  # (hidden, ffn)
     w_up: np.ndarray  # (hidden, ffn)
     w_down: np.ndarray  # (ffn, hidden)
+    bqkv: np.ndarray | None = None  # ((n_head + 2 n_head_kv) head_dim,): q, k, v biases (Qwen2), or none
 
     @classmethod
     def random(cls, c: LlamaConfig, seed: int = 0) -> "LayerWeights":
@@ -59,8 +66,8 @@ class LayerWeights:
         def w(*shape):
             return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
 
-        return cls(1 + 0.1 * w(c.hidden) * np.sqrt(c.hidden), w(c.hidden, (c.n_head + 2 * c.n_head_kv) * c.head_dim),
-                   w(c.n_head * c.head_dim, c.hidden), 1 + 0.1 * w(c.hidden) * np.sqrt(c.hidden),
+        return cls(1 + 0.1 * w(c.hidden) * c.hidden ** 0.5, w(c.hidden, (c.n_head + 2 * c.n_head_kv) * c.head_dim),
+                   w(c.n_head * c.head_dim, c.hidden), 1 + 0.1 * w(c.hidden) * c.hidden ** 0.5,
                    w(c.hidden, c.ffn), w(c.hidden, c.ffn), w(c.ffn, c.hidden))
 
 
@@ -80,31 +87,41 @@ class LlamaLayer:
         yield
         self.times[op] += time.perf_counter() - t0
 
-    def forward(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """x (N, hidden) float32 for tokens at positions ``pos`` (N,) int32 -> (N, hidden) float32."""
+    def forward(self, x: np.ndarray, pos: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+        """x (N, hidden) float32 for tokens at positions ``pos`` -> (N, hidden) float32.
+
+        ``pos`` is (N,) int32, or (4, N) (streams t, h, w, e) for the M-RoPE modes. ``rows`` (N,) int32 are the
+        tokens' KV-cache rows, which the causal mask orders; they default to ``pos`` when it is (N,).
+        """
         c, w, t = self.c, self.w, self._timed
         n, hq, hkv, d = x.shape[0], c.n_head, c.n_head_kv, c.head_dim
+        if rows is None:
+            if pos.ndim != 1:
+                raise ValueError("rows (the KV-cache rows) is required with (4, N) positions")
+            rows = pos
+        rope = dict(n_dims=d, mode=c.rope_mode, freq_base=c.rope_base, sections=c.rope_sections)
         with t("rms_norm_mul"):
             h = fastattn.rms_norm_mul(x, w.attn_norm, c.eps)
         with t("matmul"):
             qkv = h @ w.wqkv
+            if w.bqkv is not None:
+                qkv += w.bqkv
         q = qkv[:, :hq * d].reshape(n, hq, d)  # strided views of the fused projection: no copies
         k = qkv[:, hq * d:(hq + hkv) * d].reshape(n, hkv, d)
         v = qkv[:, (hq + hkv) * d:].reshape(n, hkv, d)
         with t("rope"):
-            cache = fastattn.rope_cache(pos, n_dims=d, mode=fastattn.ROPE_NEOX, freq_base=c.rope_base)
+            cache = fastattn.rope_cache(pos, **rope)
             fastattn.apply_rope_cache(q, cache, out=q)
         with t("rope_set_rows"):
-            fastattn.rope_set_rows(self.k_cache, k, pos, pos, n_dims=d, mode=fastattn.ROPE_NEOX,
-                                   freq_base=c.rope_base)
+            fastattn.rope_set_rows(self.k_cache, k, pos, rows, **rope)
         with t("set_rows"):
             # set_rows writes rows of the second-to-last axis: the (R, Hkv, D) cache as (R, Hkv*D), no copy
-            fastattn.set_rows(self.v_cache.reshape(c.max_ctx, hkv * d), v.reshape(n, hkv * d), pos)
-        n_kv = int(pos.max()) + 1
+            fastattn.set_rows(self.v_cache.reshape(c.max_ctx, hkv * d), v.reshape(n, hkv * d), rows)
+        n_kv = int(rows.max()) + 1
         with t("flash_attn_ext"):
             keys = self.k_cache[:n_kv].transpose(1, 0, 2)[None]  # (1, Hkv, n_kv, D): a view of the cache
             values = self.v_cache[:n_kv].transpose(1, 0, 2)[None]
-            mask = np.where(np.arange(n_kv)[None, :] <= pos[:, None], 0.0, -np.inf).astype(np.float16)
+            mask = np.where(np.arange(n_kv)[None, :] <= rows[:, None], 0.0, -np.inf).astype(np.float16)
             attn = fastattn.flash_attn_ext(q.transpose(1, 0, 2)[None], keys, values, mask,
                                            scale=1.0 / np.sqrt(d))  # (1, N, Hq, D)
         with t("matmul"):

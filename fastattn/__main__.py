@@ -10,6 +10,7 @@ import json
 import sys
 
 from . import _threads, jobs
+from .jobs.blas import set_blas_threads
 
 
 def _thread_list(text: str) -> list[int]:
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot and args.command != "bench":
         parser.error("--plot belongs to the bench command: python -m fastattn bench --plot FILE.png")
     ops = args.ops.split(",") if args.ops else None
+    set_blas_threads(1)  # the references' idle OpenBLAS workers would steal our prange workers' cores
     thread_counts = args.threads or [_threads.get_num_threads()]
     try:
         results = jobs.run(ops, threads=thread_counts, budget_s=args.budget, progress=jobs.progress_printer())

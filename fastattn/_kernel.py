@@ -52,15 +52,16 @@ except ImportError:  # pragma: no cover - exercised only without ml_dtypes
 
 FLOAT32 = np.dtype(np.float32)
 FLOAT16 = np.dtype(np.float16)
-_KERNEL_VIEW = {FLOAT16: np.dtype(np.uint16), FLOAT32: FLOAT32}
+#: dtype -> the integer dtype a kernel sees instead (float32 and other Numba-typable dtypes: absent)
+_HALF_VIEW = {FLOAT16: np.dtype(np.uint16)}
 if BFLOAT16 is not None:
-    _KERNEL_VIEW[BFLOAT16] = np.dtype(np.int16)
+    _HALF_VIEW[BFLOAT16] = np.dtype(np.int16)
 
 
 def kernel_view(a: np.ndarray) -> np.ndarray:
     """The view of ``a`` a kernel can type: float32 as is, float16 as uint16 bits, bfloat16 as int16 bits."""
-    view = _KERNEL_VIEW[a.dtype]
-    return a if view == a.dtype else a.view(view)
+    view = _HALF_VIEW.get(a.dtype)  # one dict probe: this runs several times per decode-sized call
+    return a if view is None else a.view(view)
 
 
 # ---------------------------------------------------------------------------------------------------------------

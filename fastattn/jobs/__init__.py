@@ -115,7 +115,7 @@ def run(ops: Iterable[str] | None = None, threads: Iterable[int] = (None,), conf
 
 def _run_case(case: Case, n_threads: int, budget_s: float) -> Result:
     t0 = time.perf_counter()
-    fast_out = case.fast()
+    fast_out = _snapshot(case.fast())  # a copy: in-place cases overwrite their result while being timed
     first_ms = (time.perf_counter() - t0) * 1e3
     # The fast path is timed before the reference runs: OpenBLAS's worker threads spin for a while after the
     # reference's matmuls and would steal the cores a parallel kernel launched right then needs.
@@ -128,6 +128,12 @@ def _run_case(case: Case, n_threads: int, budget_s: float) -> Result:
         rate, unit = case.nbytes / fast_ms / 1e6, "GB/s"
     return Result(case.op, case.shape, case.path, n_threads, error, ok, reference_ms, fast_ms, first_ms,
                   reference_ms / fast_ms, rate, unit)
+
+
+def _snapshot(result):
+    if isinstance(result, tuple):
+        return tuple(_snapshot(r) for r in result)
+    return result.copy() if isinstance(result, np.ndarray) else result
 
 
 def format_table(results: list[Result]) -> str:
