@@ -7,8 +7,7 @@ Groups (each at 1 and 2 threads, GB/s of x read + out written in ``extra_info``)
 - ``rope normal`` and ``rope mrope`` (Qwen2-VL sections [16, 24, 24, 0]) out of place;
 - ``rope decode (1,32,128)``: ``apply_rope_cache`` with a prebuilt cache (in place and into a new array) and a
   whole ``rope_ext`` call;
-- ``rope_set_rows K (512,8,128) -> f16 cache``: the fused op against ``rope_ext`` followed by a separate set_rows
-  (``fastattn.set_rows`` when it exists, else a serial Numba row-copy kernel converting with ``from_f32``).
+- ``rope_set_rows K (512,8,128) -> f16 cache``: the fused op against ``rope_ext`` followed by ``set_rows``.
 
 Run: ``python -m pytest bench/bench_rope.py --benchmark-columns=median,iqr,rounds --benchmark-group-by=group``.
 """
@@ -22,7 +21,7 @@ from numba import prange
 
 import fastattn
 import fastattn.reference as ref
-from fastattn._kernel import from_f32, kernel, kernel_view, to_f32
+from fastattn._kernel import kernel
 
 N, H, H_KV, D = 512, 32, 8, 128
 BASE = 500000.0
@@ -97,25 +96,6 @@ def test_decode(benchmark, path, threads):
     measure(benchmark, fns[path], group=f"rope decode (1,{H},{D}) f32", threads=threads, nbytes=2 * x.nbytes)
 
 
-@kernel
-def _row_copy_f16(dst, src, idx):
-    """Stand-in for set_rows when fastattn.set_rows is absent: serial, converting with from_f32."""
-    for i in range(src.shape[0]):
-        s = src[i]
-        d = dst[idx[i]]
-        for j in range(s.shape[0]):
-            d[j] = from_f32(to_f32(s[j]), d)
-
-
-def _separate_set_rows():
-    """(name, set_rows(dst, src, idx)) for the unfused comparison."""
-    try:
-        set_rows = fastattn.set_rows
-        return "fastattn.set_rows", set_rows
-    except AttributeError:
-        return "stand-in row copy", lambda dst, src, idx: _row_copy_f16(kernel_view(dst), src, idx)
-
-
 @pytest.mark.parametrize("threads", THREADS)
 @pytest.mark.parametrize("path", ["rope_set_rows (fused)", "rope_ext + set_rows"])
 def test_rope_set_rows(benchmark, path, threads):
@@ -124,12 +104,9 @@ def test_rope_set_rows(benchmark, path, threads):
     cache = np.zeros((4096, H_KV * D), np.float16)
     idx = np.arange(N, dtype=np.int64) + 1000
     rotated = np.empty_like(k)
-    name, set_rows = _separate_set_rows()
-    benchmark.extra_info["set_rows"] = name
-
     def separate():
         fastattn.rope_ext(k, pos, **NEOX, out=rotated)
-        set_rows(cache, rotated.reshape(N, H_KV * D), idx)
+        fastattn.set_rows(cache, rotated.reshape(N, H_KV * D), idx)
 
     fns = {"rope_set_rows (fused)": lambda: fastattn.rope_set_rows(cache, k, pos, idx, **NEOX),
            "rope_ext + set_rows": separate}
@@ -145,12 +122,9 @@ def test_rope_set_rows_decode(benchmark, path, threads):
     kv = np.zeros((8192, H_KV * D), np.float16)
     idx = np.array([4097], np.int64)
     rotated = np.empty_like(k)
-    name, set_rows = _separate_set_rows()
-    benchmark.extra_info["set_rows"] = name
-
     def separate():
         fastattn.apply_rope_cache(k, cache, out=rotated)
-        set_rows(kv, rotated.reshape(1, H_KV * D), idx)
+        fastattn.set_rows(kv, rotated.reshape(1, H_KV * D), idx)
 
     fns = {"apply_rope_cache_set_rows (fused)": lambda: fastattn.apply_rope_cache_set_rows(kv, k, cache, idx),
            "apply_rope_cache + set_rows": separate}

@@ -17,8 +17,6 @@ reassociates reductions and contracts FMAs.
 """
 from __future__ import annotations
 
-import math
-
 import numba
 import numpy as np
 from llvmlite import ir

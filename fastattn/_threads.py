@@ -11,7 +11,6 @@ The thread count is process-wide (``set_num_threads``) with a per-Python-thread 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from typing import Iterator
 

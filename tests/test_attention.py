@@ -19,7 +19,6 @@ from strategies import attention_masks, dims, fill, float_dtypes, strided, threa
 import fastattn
 from fastattn import _threads
 from fastattn import reference
-from fastattn._args.attention import alibi_slopes
 from fastattn.attention import choose_path
 
 PATHS = ["one_chunk", "split_kv", "tiled", "auto"]
