@@ -3,33 +3,16 @@
 Prefill 8 tokens, then decode 4 one at a time through the KV cache; every position's layer output must match
 the Hugging Face layer run on the whole sequence within float32 tolerance.
 """
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from example_layer import load_example, to_numpy
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "llama_layer.py"
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("llama_layer", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def _np(t):
-    return t.detach().to(torch.float32).numpy().copy()
-
 
 def test_llama_layer_matches_hugging_face_prefill_and_decode():
-    ex = _load_example()
+    ex = load_example()
     hidden, heads, kv_heads, head_dim, ffn, theta = 64, 4, 2, 16, 96, 10000.0
     cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=1,
                                    num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
@@ -45,16 +28,16 @@ def test_llama_layer_matches_hugging_face_prefill_and_decode():
     ids = torch.randint(0, cfg.vocab_size, (1, 12))
     with torch.no_grad():
         model(ids)
-        embeddings = _np(model.embed_tokens(ids)[0])
-    expected = _np(captured["y"][0])
+        embeddings = to_numpy(model.embed_tokens(ids)[0])
+    expected = to_numpy(captured["y"][0])
 
     attn = layer.self_attn
     weights = ex.LayerWeights(
-        attn_norm=_np(layer.input_layernorm.weight),
-        wqkv=np.concatenate([_np(attn.q_proj.weight).T, _np(attn.k_proj.weight).T, _np(attn.v_proj.weight).T], 1),
-        wo=_np(attn.o_proj.weight).T, ffn_norm=_np(layer.post_attention_layernorm.weight),
-        w_gate=_np(layer.mlp.gate_proj.weight).T, w_up=_np(layer.mlp.up_proj.weight).T,
-        w_down=_np(layer.mlp.down_proj.weight).T)
+        attn_norm=to_numpy(layer.input_layernorm.weight),
+        wqkv=np.concatenate([to_numpy(attn.q_proj.weight).T, to_numpy(attn.k_proj.weight).T, to_numpy(attn.v_proj.weight).T], 1),
+        wo=to_numpy(attn.o_proj.weight).T, ffn_norm=to_numpy(layer.post_attention_layernorm.weight),
+        w_gate=to_numpy(layer.mlp.gate_proj.weight).T, w_up=to_numpy(layer.mlp.up_proj.weight).T,
+        w_down=to_numpy(layer.mlp.down_proj.weight).T)
     config = ex.LlamaConfig(hidden=hidden, n_head=heads, n_head_kv=kv_heads, head_dim=head_dim, ffn=ffn,
                             eps=1e-5, rope_base=theta, max_ctx=16)
     ours = ex.LlamaLayer(weights, config, kv_dtype=np.float32)

@@ -7,32 +7,16 @@ does for "text, a 2x2x2 video grid, text": the t, h and w streams differ inside 
 a time through the float32 KV cache; every position's layer output must match Hugging Face's within float32
 tolerance.
 """
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from example_layer import load_example, to_numpy
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import fastattn  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "llama_layer.py"
 MROPE_SECTION = [2, 3, 3]  # pairs per stream t, h, w: sums to head_dim / 2
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("llama_layer", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def _np(t):
-    return t.detach().to(torch.float32).numpy().copy()
 
 
 def _positions():
@@ -48,7 +32,7 @@ def _positions():
 
 @pytest.mark.parametrize("n_prefill", [14, 9], ids=["prefill_all", "prefill_then_decode"])
 def test_qwen2vl_layer_matches_hugging_face(n_prefill):
-    ex = _load_example()
+    ex = load_example()
     hidden, heads, kv_heads, head_dim, ffn, theta, eps = 64, 4, 2, 16, 96, 10000.0, 1e-6
     cfg = transformers.Qwen2VLTextConfig(
         vocab_size=50, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=1, num_attention_heads=heads,
@@ -71,16 +55,16 @@ def test_qwen2vl_layer_matches_hugging_face(n_prefill):
     ids = torch.randint(0, cfg.vocab_size, (1, n))
     with torch.no_grad():
         model(ids, position_ids=torch.from_numpy(pos3).long()[:, None, :])  # (3, batch, N)
-        embeddings = _np(model.embed_tokens(ids)[0])
-    expected = _np(captured["y"][0])
+        embeddings = to_numpy(model.embed_tokens(ids)[0])
+    expected = to_numpy(captured["y"][0])
 
     weights = ex.LayerWeights(
-        attn_norm=_np(layer.input_layernorm.weight),
-        wqkv=np.concatenate([_np(attn.q_proj.weight).T, _np(attn.k_proj.weight).T, _np(attn.v_proj.weight).T], 1),
-        wo=_np(attn.o_proj.weight).T, ffn_norm=_np(layer.post_attention_layernorm.weight),
-        w_gate=_np(layer.mlp.gate_proj.weight).T, w_up=_np(layer.mlp.up_proj.weight).T,
-        w_down=_np(layer.mlp.down_proj.weight).T,
-        bqkv=np.concatenate([_np(attn.q_proj.bias), _np(attn.k_proj.bias), _np(attn.v_proj.bias)]))
+        attn_norm=to_numpy(layer.input_layernorm.weight),
+        wqkv=np.concatenate([to_numpy(attn.q_proj.weight).T, to_numpy(attn.k_proj.weight).T, to_numpy(attn.v_proj.weight).T], 1),
+        wo=to_numpy(attn.o_proj.weight).T, ffn_norm=to_numpy(layer.post_attention_layernorm.weight),
+        w_gate=to_numpy(layer.mlp.gate_proj.weight).T, w_up=to_numpy(layer.mlp.up_proj.weight).T,
+        w_down=to_numpy(layer.mlp.down_proj.weight).T,
+        bqkv=np.concatenate([to_numpy(attn.q_proj.bias), to_numpy(attn.k_proj.bias), to_numpy(attn.v_proj.bias)]))
     config = ex.LlamaConfig(hidden=hidden, n_head=heads, n_head_kv=kv_heads, head_dim=head_dim, ffn=ffn, eps=eps,
                             rope_base=theta, max_ctx=16, rope_mode=fastattn.ROPE_MROPE,
                             rope_sections=(*MROPE_SECTION, 0))
