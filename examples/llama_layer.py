@@ -15,7 +15,10 @@ The layer, per call on N new tokens at positions ``pos`` (the non-GEMM ops are f
 RoPE is NEOX by default; ``LlamaConfig(rope_mode=fastattn.ROPE_MROPE, rope_sections=(...))`` with (4, N) positions
 and explicit cache ``rows`` makes it a Qwen2-VL text layer (with ``LayerWeights.bqkv``, the q/k/v biases).
 
-It prints the time per token of prefill and decode and the share of each op. ``tests/test_llama_layer.py``
+It prints the time per token of prefill and decode and the share of each op. On a machine with few cores, the
+idle workers of NumPy's OpenBLAS keep spinning after each matmul and delay the thread launches of fastattn's
+parallel kernels (docs/design.md); ``OPENBLAS_THREAD_TIMEOUT=4`` in the environment makes them sleep sooner (in one
+run here, decode attention went from 4.8 to 0.8 ms per call). ``tests/test_llama_layer.py``
 checks it against Hugging Face's ``LlamaModel`` and ``tests/test_qwen2vl_layer.py`` against ``Qwen2VLTextModel``
 when transformers is installed.
 """
@@ -157,9 +160,12 @@ def main(argv=None) -> None:
     fastattn.set_num_threads(args.threads)
     layer = LlamaLayer(LayerWeights.random(config), config)
     rng = np.random.default_rng(1)
-    warm = LlamaLayer(LayerWeights.random(config), config)  # compile every kernel before timing
-    warm.forward(rng.standard_normal((2, config.hidden)).astype(np.float32), np.arange(2, dtype=np.int32))
-    warm.forward(rng.standard_normal((1, config.hidden)).astype(np.float32), np.array([2], np.int32))
+    # Run the same shapes once untimed, so every kernel variant they pick (tiled vs one_chunk vs split_kv
+    # attention, serial vs parallel norms and row writes) is compiled or loaded from Numba's cache first.
+    warm = LlamaLayer(LayerWeights.random(config), config)
+    warm.forward(rng.standard_normal((args.prefill, config.hidden)).astype(np.float32),
+                 np.arange(args.prefill, dtype=np.int32))
+    warm.forward(rng.standard_normal((1, config.hidden)).astype(np.float32), np.array([args.prefill], np.int32))
 
     x = rng.standard_normal((args.prefill, config.hidden)).astype(np.float32)
     t0 = time.perf_counter()
