@@ -11,7 +11,7 @@ Numba's CPU target cannot type float16 (or bfloat16) at all, so half-precision a
 type (round to nearest even, bit-exact with NumPy's ``astype``). Both resolve at compile time, so a kernel written
 once serves every format and the contiguous float32 case still vectorises.
 
-``FASTMATH`` is ``fastmath=True`` minus ``nnan``/``ninf``: those two let LLVM assume no ``-inf``, which deletes
+``FASTMATH`` is Numba's blanket fast-math set minus ``nnan``/``ninf``: those two let LLVM assume no ``-inf``, which deletes
 the ``== -inf`` guards of masked softmax (MEASURED.md: 5 wrong results in 13 checks). The set kept still
 reassociates reductions and contracts FMAs.
 """
