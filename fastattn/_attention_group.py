@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from numba import carray, typeof, types
+from numba import carray, types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
@@ -86,29 +86,6 @@ def element_strides(a: np.ndarray) -> np.ndarray:
     """``a`` itself when its strides are whole numbers of elements (every ordinary view), else a C copy."""
     item = a.itemsize
     return a if not any(s % item for s in a.strides) else np.ascontiguousarray(a)
-
-
-_compiled: dict = {}
-
-
-def call_any_layout(dispatcher, strided, *args):
-    """Call ``dispatcher`` with the arrays at positions ``strided`` typed as any layout ('A').
-
-    The kernels read those arrays flat (``flat4``), so contiguous and strided ones need the same code: one
-    specialisation per dtype combination instead of one per combination of layouts (each costs seconds to
-    compile). The other arrays (scratch the path allocates, slopes, sinks) stay C-contiguous so that loops over
-    them vectorise. The compiled entry point is called directly (it accepts C arrays for 'A' parameters),
-    skipping the dispatcher's search for a conversion on every call.
-    """
-    key = (dispatcher,) + tuple((a.dtype, a.ndim, a.flags.writeable, a.flags.c_contiguous)
-                                if isinstance(a, np.ndarray) else type(a) for a in args)
-    entry = _compiled.get(key)
-    if entry is None:
-        signature = tuple(t.copy(layout="A") if i in strided and isinstance(t, types.Array) else t
-                          for i, t in enumerate(map(typeof, args)))
-        dispatcher.compile(signature)
-        entry = _compiled[key] = dispatcher.overloads[signature].entry_point
-    return entry(*args)
 
 
 @kernel

@@ -15,9 +15,9 @@ import numpy as np
 from numba import prange
 
 from . import _threads
-from ._attention_group import (ROWS, call_any_layout, element_strides, finalize, flat4, flat_mask, group_rows,
+from ._attention_group import (ROWS, element_strides, finalize, flat4, flat_mask, group_rows,
                                load_group_queries)
-from ._kernel import kernel
+from ._kernel import call_any_layout, kernel
 
 #: Query rows per work unit: enough units to balance two threads at small Nq, few enough to amortise the scratch.
 ROW_CHUNK = 4

@@ -24,9 +24,9 @@ import numpy as np
 from numba import prange
 
 from . import _threads
-from ._attention_group import (ROWS, call_any_layout, element_strides, finalize, flat4, flat_mask, group_rows,
+from ._attention_group import (ROWS, element_strides, finalize, flat4, flat_mask, group_rows,
                                load_group_queries)
-from ._kernel import fast_exp, kernel
+from ._kernel import call_any_layout, fast_exp, kernel
 
 #: Rows per chunk aimed at. Each chunk costs a unit's setup, its partials and a fold step; measured on the
 #: 2-core machine (1 thread, cold cache), 512-1024-row chunks ran 4-20% faster than 256-row ones and matched

@@ -37,16 +37,14 @@ docs/attention_tiled.md has the measurements.
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import prange, types
 from numba.core.errors import TypingError
-from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 
 from . import _threads
-from ._kernel import fast_exp, kernel, to_f32
+from ._kernel import assume_contiguous, call_any_layout, fast_exp, kernel, to_f32
 
 #: Query rows of one head per tile (a multiple of both register-block dimensions, 6 and 16).
 Q_TILE = 48
@@ -165,20 +163,6 @@ def _block_values(typingctx, st, vs, o, alpha, i, j, kdim):
 
 
 @intrinsic
-def _as_contiguous(typingctx, row):
-    """The 1-D any-layout array ``row`` retyped as C-contiguous (same data, shape and stride). Only for a row
-    whose stride is its itemsize: then LLVM vectorises loops over it (a strided row cannot be)."""
-    if not (isinstance(row, types.Array) and row.ndim == 1):
-        raise TypingError("_as_contiguous: expected a 1-D array")
-    result = row.copy(layout="C")
-
-    def codegen(context, builder, signature, args):
-        return impl_ret_borrowed(context, builder, result, args[0])  # layouts share one data model
-
-    return result(row), codegen
-
-
-@intrinsic
 def _fetch_add(typingctx, counter):
     """Atomically add 1 to counter[0] (an int64 array) and return its previous value."""
     if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
@@ -195,7 +179,7 @@ def _fetch_add(typingctx, counter):
 def _widen_row(src, dst):
     """dst[:n] = float32(src) for a row of any layout; contiguous rows take the vectorised loop."""
     if src.strides[0] == src.itemsize:
-        contiguous = _as_contiguous(src)
+        contiguous = assume_contiguous(src)
         for d in range(src.shape[0]):
             dst[d] = to_f32(contiguous[d])
     else:
@@ -242,7 +226,7 @@ def _classify_mask_blocks(mask, n_q, blocks):
                     for ii in range(nq):
                         seg = plane[i0 + ii][j0:j0 + nk]
                         if seg.strides[0] == seg.itemsize:
-                            lo, hi, nonzero = _scan_mask_row(_as_contiguous(seg), lo, hi, nonzero)
+                            lo, hi, nonzero = _scan_mask_row(assume_contiguous(seg), lo, hi, nonzero)
                         else:
                             lo, hi, nonzero = _scan_mask_row(seg, lo, hi, nonzero)
                     info = blocks[bm, hm, q_tile, kv_tile]
@@ -463,26 +447,8 @@ def _run_parallel(next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has
 _NO_MASK = np.zeros((1, 1, 1, 1), np.float32)
 _NO_BLOCKS = np.zeros((1, 1, 1, 1, 3), np.int64)
 _NO_SINKS = np.zeros(1, np.float32)
-_USER_ARGS = 13  # next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out
-_entry_points: dict = {}
-
-
-def _any_layout(t):
-    return t.copy(layout="A") if isinstance(t, types.Array) else t
-
-
-def _entry_point(driver, args):
-    """The compiled ``driver`` for these argument types, with the caller's arrays typed as any-layout ('A').
-
-    Numba would otherwise compile one specialisation per combination of contiguous and strided q, k, v, mask
-    and out (each a multi-second compile); the 'A' code reads contiguous arrays at the same speed here.
-    """
-    sig = tuple(_any_layout(numba.typeof(a)) if i < _USER_ARGS else numba.typeof(a) for i, a in enumerate(args))
-    key = (driver.py_func.__name__, sig)
-    entry = _entry_points.get(key)
-    if entry is None:
-        entry = _entry_points[key] = driver.compile(sig)
-    return entry
+#: next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out: typed any-layout
+_USER_ARGS = range(13)
 
 
 def run_tiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, slopes: np.ndarray,
@@ -517,11 +483,11 @@ def run_tiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     has_mask = mask is not None
     if has_mask:
         blocks = np.empty(mask.shape[:2] + (-(-Nq // Q_TILE), -(-Nkv // KV_TILE), 3), np.int64)
-        _entry_point(_classify_mask_blocks, (mask, Nq, blocks))(mask, Nq, blocks)
+        call_any_layout(_classify_mask_blocks, range(3), mask, Nq, blocks)
     else:
         mask, blocks = _NO_MASK, _NO_BLOCKS
     next_task = np.zeros(1, np.int64)  # the task counter the thread slots share
     args = (next_task, q, k, v, mask, blocks, has_mask, slopes,
             _NO_SINKS if sinks is None else sinks, sinks is not None, np.float32(scale), np.float32(softcap), out,
             qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds)
-    _entry_point(_run_serial if n_slots == 1 else _run_parallel, args)(*args)
+    call_any_layout(_run_serial if n_slots == 1 else _run_parallel, _USER_ARGS, *args)

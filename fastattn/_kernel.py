@@ -20,8 +20,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import types, typeof
 from numba.core.errors import TypingError
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, overload
 
 FASTMATH = frozenset({"contract", "arcp", "reassoc", "nsz", "afn"})
@@ -201,3 +202,40 @@ def fast_exp(x):
     if x > _EXP_MAX:
         y = np.float32(np.inf)
     return y
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layouts: one compiled variant for contiguous and strided inputs, and unit-stride rows that still vectorise.
+@intrinsic
+def assume_contiguous(typingctx, row):
+    """Retype a 1-D any-layout array whose stride is its itemsize as C-contiguous (same data model, nothing
+    copied), so LLVM sees unit stride and vectorises loops over it. The caller checks the stride."""
+    if not (isinstance(row, types.Array) and row.ndim == 1):
+        raise TypingError("assume_contiguous: expected a 1-D array")
+
+    def codegen(context, builder, signature, args):
+        return impl_ret_borrowed(context, builder, signature.return_type, args[0])
+
+    return row.copy(layout="C")(row), codegen
+
+
+_any_layout_entries: dict = {}
+
+
+def call_any_layout(dispatcher, strided, *args):
+    """Call ``dispatcher`` with the arrays at positions ``strided`` typed as any layout ('A').
+
+    Numba would otherwise compile one specialisation (seconds each) per combination of contiguous and strided
+    inputs; kernels that read their inputs through strides need only one per dtype combination. The other
+    arrays (scratch the caller allocates) stay C-contiguous so that loops over them vectorise. The compiled entry
+    point is called directly (it accepts C arrays for 'A' parameters), skipping the dispatcher's search.
+    """
+    key = (dispatcher,) + tuple((a.dtype, a.ndim, a.flags.writeable, a.flags.c_contiguous)
+                                if isinstance(a, np.ndarray) else type(a) for a in args)
+    entry = _any_layout_entries.get(key)
+    if entry is None:
+        signature = tuple(t.copy(layout="A") if i in strided and isinstance(t, types.Array) else t
+                          for i, t in enumerate(map(typeof, args)))
+        dispatcher.compile(signature)
+        entry = _any_layout_entries[key] = dispatcher.overloads[signature].entry_point
+    return entry(*args)

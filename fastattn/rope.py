@@ -37,14 +37,12 @@ from decimal import Decimal, getcontext
 
 import numba
 import numpy as np
-from numba import prange, types
-from numba.core.errors import TypingError
-from numba.core.imputils import impl_ret_borrowed
-from numba.extending import intrinsic, overload
+from numba import prange
+from numba.extending import overload
 
 from . import _threads
 from ._args import rope as _args
-from ._kernel import KERNEL_OPTIONS, from_f32, kernel_view, to_f32
+from ._kernel import KERNEL_OPTIONS, assume_contiguous, from_f32, kernel_view, to_f32
 from ._modes import RopeMode
 from ._validate import FLOAT16, FLOAT32, STORAGE_FLOATS
 
@@ -145,19 +143,6 @@ _EXACT = dict(KERNEL_OPTIONS, fastmath={"nsz", "arcp"})
 _INLINE = dict(_EXACT, inline="always")
 
 
-@intrinsic
-def _assume_contiguous(typingctx, row):
-    """Retype a 1-D 'A' array whose stride is its itemsize as 'C' (same data model, nothing copied), so that
-    LLVM sees unit stride and vectorises. The caller checks the stride."""
-    if not (isinstance(row, types.Array) and row.ndim == 1):
-        raise TypingError("expected a 1-D array")
-
-    def codegen(context, builder, signature, args):
-        return impl_ret_borrowed(context, builder, signature.return_type, args[0])
-
-    return row.copy(layout="C")(row), codegen
-
-
 def _store(v, like):
     """Element ``v`` (float32, or float16/bfloat16 bits) as ``like``'s element type: raw when the types match."""
     raise NotImplementedError
@@ -224,9 +209,9 @@ def _rope_head(src, dst, cache_row, n_pairs, interleaved, in_place, unit_stride)
     sin = cache_row[n_pairs:]
     if unit_stride:
         if in_place:
-            _rotate_in_place(_assume_contiguous(dst), cos, sin, n_pairs, interleaved)
+            _rotate_in_place(assume_contiguous(dst), cos, sin, n_pairs, interleaved)
         else:
-            _rotate_into(_assume_contiguous(src), _assume_contiguous(dst), cos, sin, n_pairs, interleaved)
+            _rotate_into(assume_contiguous(src), assume_contiguous(dst), cos, sin, n_pairs, interleaved)
     elif in_place:
         _rotate_in_place(dst, cos, sin, n_pairs, interleaved)
     else:
