@@ -82,6 +82,11 @@ def rope_configs(draw, mode=None):
 def positions(streams: int, n: int, rng: np.random.Generator, kind: str) -> np.ndarray:
     if kind == "small":
         pos = rng.integers(-8, 4096, (streams, n))
+    elif kind == "runs":  # consecutive runs (the cache's recurrence) with jumps, in some streams only
+        start = rng.choice([-3, 0, 70_000, 999_990, fastattn.rope.RECURRENCE_MAX_POS - 3])
+        steps = rng.choice([1, 1, 1, 0, 5], (streams, n))
+        steps[:, 0] = 0
+        pos = start + np.cumsum(steps, axis=1) + rng.integers(0, 2, (streams, 1))
     else:  # negative and large, up to 1e6
         pos = rng.integers(-1_000_000, 1_000_001, (streams, n))
     pos = pos.astype(np.int32)
@@ -148,7 +153,7 @@ def assert_rope_close(fast: np.ndarray, reference64: np.ndarray, x: np.ndarray, 
 # Properties.
 @given(data=st.data(), config=rope_configs(), dtype=st.sampled_from((FLOAT32, FLOAT16)),
        layout=st.sampled_from(("contiguous", "strided", "in place", "strided out")),
-       n=st.integers(1, 7), h=st.integers(1, 4), pos_kind=st.sampled_from(("small", "large")),
+       n=st.integers(1, 7), h=st.integers(1, 4), pos_kind=st.sampled_from(("small", "large", "runs")),
        threads=st.sampled_from((1, 2)))
 def test_rope_ext_matches_reference(data, config, dtype, layout, n, h, pos_kind, threads):
     kwargs, d, streams = config
@@ -408,6 +413,28 @@ def test_float64_angles_are_more_accurate_than_ggmls_float32_recurrence():
         assert ggml > 20 * ours, (lo, hi, ggml, ours)
         if lo == 0:
             assert ggml > 1e-5  # MEASURED.md: ~5e-4 below 5000 in ggml itself
+
+
+@pytest.mark.parametrize("streams", [1, 4])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cache_recurrence_matches_direct_angles(streams, threads):
+    """A long prompt (positions + 1 per token, across several cache blocks, one stream jumping once) gives the
+    cos/sin of computing every token on its own, to 1 float32 ulp, serial and parallel builds bit-identical."""
+    n = 3 * fastattn.rope.CACHE_BLOCK * 3 + 5  # past the parallel build's threshold on 2 threads
+    pos = np.tile(np.arange(n, dtype=np.int32) + 123_456, (streams, 1))
+    if streams == 4:
+        pos[2, 200:] += 7  # the w stream jumps: that token is computed directly, the next ones step again
+    mode = fastattn.ROPE_NEOX if streams == 1 else fastattn.ROPE_MROPE
+    kwargs = dict(n_dims=128, mode=mode, freq_base=500000.0, sections=[16, 24, 24, 0] if streams == 4 else None)
+    with run_on(threads):
+        stepped = fastattn.rope_cache(pos[0] if streams == 1 else pos, **kwargs).cs
+    direct = np.concatenate([fastattn.rope_cache(pos[:, i:i + 1] if streams == 4 else pos[0, i:i + 1], **kwargs).cs
+                             for i in range(n)])
+    assert np.all(np.abs(stepped - direct) <= np.spacing(np.abs(direct)))
+    assert np.mean(stepped == direct) > 0.99
+    with run_on(1):
+        serial = fastattn.rope_cache(pos[0] if streams == 1 else pos, **kwargs).cs
+    assert np.array_equal(serial, stepped)
 
 
 def test_huge_angles_use_the_exact_fallback():
