@@ -549,6 +549,24 @@ def test_rope_set_rows_rejects_bad_indices_before_writing(lib):
     assert not cache.any()
 
 
+def test_remembered_parameters_still_tell_types_and_values_apart():
+    """parse_params remembers argument sets; an equal value of a rejected type, or a list changed since, is not
+    mistaken for one seen before."""
+    x = np.ones((2, 1, 8), np.float32)
+    pos = np.zeros((4, 2), np.int32)
+    kwargs = dict(n_dims=8, mode=fastattn.ROPE_MROPE, sections=[1, 1, 1, 1])
+    fastattn.rope_ext(x, pos, **kwargs)
+    for bad, error in (({"mode": float(fastattn.ROPE_MROPE)}, TypeError), ({"n_dims": 8.0}, TypeError),
+                       ({"sections": [1.0, 1, 1, 1]}, TypeError), ({"sections": [0, 0, 0, 4]}, ValueError)):
+        with pytest.raises(error):
+            fastattn.rope_ext(x, pos, **{**kwargs, **bad})
+    sections = [1, 1, 1, 1]
+    first = rope_args.parse_params(**{**REF_DEFAULTS, **kwargs, "sections": sections})
+    sections[0] = 2
+    assert rope_args.parse_params(**{**REF_DEFAULTS, **kwargs, "sections": sections}).sections == (2, 1, 1, 1)
+    assert first.sections == (1, 1, 1, 1)
+
+
 def test_partial_alias_and_bad_cache_are_rejected():
     buf = np.ones((3, 2, 16), np.float32)
     with pytest.raises(ValueError, match="out overlaps x"):

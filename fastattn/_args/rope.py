@@ -57,8 +57,48 @@ class RopeParams:
             raise ValueError(f"n_dims must be <= {name}'s last axis (head dim {head_dim}), got {self.n_dims}")
 
 
+#: parse_params' results for argument sets seen before (without freq_factors: arrays are not hashable). A
+#: decode step parses the same parameters for every layer, and parsing costs more than a one-token rotation.
+_PARSED: dict = {}
+_PARSED_MAX = 64
+
+
+def _memo_key(values: tuple):
+    """A key that tells apart equal values of different types (``2 == 2.0 == True`` in a dict, but only one of
+    them is a valid ``mode``); None when a value is unhashable."""
+    key = []
+    for v in values:
+        if type(v) is list or type(v) is tuple:
+            v = (type(v),) + tuple((type(e), e) for e in v)
+        key.append((type(v), v))
+    key = tuple(key)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def parse_params(*, n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast,
                  beta_slow, freq_factors, sections, backward) -> RopeParams:
+    key = None
+    if freq_factors is None:
+        key = _memo_key((n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast,
+                         beta_slow, sections, backward))
+        params = _PARSED.get(key)
+        if params is not None:
+            return params
+    params = _parse_params(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast,
+                           beta_slow, freq_factors, sections, backward)
+    if key is not None:
+        if len(_PARSED) >= _PARSED_MAX:
+            _PARSED.clear()
+        _PARSED[key] = params
+    return params
+
+
+def _parse_params(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
+                  freq_factors, sections, backward) -> RopeParams:
     n_dims = _validate.integer("n_dims", n_dims, minimum=2)
     if n_dims % 2:
         raise ValueError(f"n_dims must be even, got {n_dims}")
