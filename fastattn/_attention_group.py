@@ -8,7 +8,8 @@ each row's read).
 
 The KV range is walked in blocks of ``ROWS`` rows (a block of K and V stays in L1 while every head uses it):
 
-1. mask terms ``slope_h * mask[.., h % Hm, i, j]`` (0 without a mask) go into the score scratch;
+1. mask terms ``slope_h * mask[.., h % Hm, i, j]`` go into the score scratch (without a mask the logits are
+   written straight in, and the row lists of steps 2 and 4 are all rows);
 2. scores: the group's heads in register blocks of 4 (the rest one by one) against pairs of K rows: one pass over
    two rows feeds 8 dot products, float16/bfloat16 widened on the fly with ``to_f32``. Rows whose mask is ``-inf``
    for every head of the block are left out before any dot product is computed;
@@ -254,6 +255,33 @@ def _logit(dot, scale, softcap):
 
 
 @kernel
+def _score(sc, g, r, dot, scale, softcap, unmasked):
+    """sc[g, r] = its logit (unmasked) or mask term + logit."""
+    if unmasked:
+        sc[g, r] = _logit(dot, scale, softcap)
+    else:
+        sc[g, r] += _logit(dot, scale, softcap)
+
+
+@kernel
+def _live_rows(sc, g, width, n, every, dead, rows):
+    """rows[:k] = the rows r < n where sc[g .. g+width, r] is not ``dead`` for some head; returns k. ``every``:
+    all n rows (no mask: nothing to skip, and a row of zero weights adds nothing)."""
+    if every:
+        for r in range(n):
+            rows[r] = r
+        return n
+    n_live = 0
+    for r in range(n):
+        for t in range(width):
+            if sc[g + t, r] != dead:
+                rows[n_live] = r
+                n_live += 1
+                break
+    return n_live
+
+
+@kernel
 def load_group_queries(qf, qbase, qhs, qcs, qs):
     """qs[g] = the query row at flat offset qbase + g * qhs (column stride qcs), for the G heads of a group."""
     for g in range(qs.shape[0]):
@@ -275,12 +303,9 @@ def group_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs
     DV = A.shape[0] // G
     for jb in range(j0, j1, ROWS):
         n = min(ROWS, j1 - jb)
-        # 1. mask terms (the scores start from them)
+        # 1. mask terms (the scores start from them; without a mask the scores are assigned, not added)
         for g in range(G):
-            if mf is None:
-                for r in range(n):
-                    sc[g, r] = 0.0
-            else:
+            if mf is not None:
                 h = h0 + g
                 start = mbase + (h % Hm) * mhs + jb * mcs
                 slope = slopes[h]
@@ -290,13 +315,7 @@ def group_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs
         g = 0
         while g < G:
             width = 4 if G - g >= 4 else 1
-            n_live = 0
-            for r in range(n):
-                for t in range(width):
-                    if sc[g + t, r] != NEG_INF:
-                        rows[n_live] = r
-                        n_live += 1
-                        break
+            n_live = _live_rows(sc, g, width, n, mf is None, NEG_INF, rows)
             if width == 4:
                 x = 0
                 while x + 1 < n_live:
@@ -304,26 +323,26 @@ def group_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs
                     r2 = rows[x + 1]
                     s0, s1, s2, s3, t0, t1, t2, t3 = _dot4x2(qs, g, kf, kbase + (jb + r1) * krs,
                                                              kbase + (jb + r2) * krs, kcs)
-                    sc[g, r1] += _logit(s0, scale, softcap)
-                    sc[g + 1, r1] += _logit(s1, scale, softcap)
-                    sc[g + 2, r1] += _logit(s2, scale, softcap)
-                    sc[g + 3, r1] += _logit(s3, scale, softcap)
-                    sc[g, r2] += _logit(t0, scale, softcap)
-                    sc[g + 1, r2] += _logit(t1, scale, softcap)
-                    sc[g + 2, r2] += _logit(t2, scale, softcap)
-                    sc[g + 3, r2] += _logit(t3, scale, softcap)
+                    _score(sc, g, r1, s0, scale, softcap, mf is None)
+                    _score(sc, g + 1, r1, s1, scale, softcap, mf is None)
+                    _score(sc, g + 2, r1, s2, scale, softcap, mf is None)
+                    _score(sc, g + 3, r1, s3, scale, softcap, mf is None)
+                    _score(sc, g, r2, t0, scale, softcap, mf is None)
+                    _score(sc, g + 1, r2, t1, scale, softcap, mf is None)
+                    _score(sc, g + 2, r2, t2, scale, softcap, mf is None)
+                    _score(sc, g + 3, r2, t3, scale, softcap, mf is None)
                     x += 2
                 if x < n_live:
                     r1 = rows[x]
                     s0, s1, s2, s3 = _dot4(qs, g, kf, kbase + (jb + r1) * krs, kcs)
-                    sc[g, r1] += _logit(s0, scale, softcap)
-                    sc[g + 1, r1] += _logit(s1, scale, softcap)
-                    sc[g + 2, r1] += _logit(s2, scale, softcap)
-                    sc[g + 3, r1] += _logit(s3, scale, softcap)
+                    _score(sc, g, r1, s0, scale, softcap, mf is None)
+                    _score(sc, g + 1, r1, s1, scale, softcap, mf is None)
+                    _score(sc, g + 2, r1, s2, scale, softcap, mf is None)
+                    _score(sc, g + 3, r1, s3, scale, softcap, mf is None)
             else:
                 for x in range(n_live):
                     r1 = rows[x]
-                    sc[g, r1] += _logit(_dot1(qs, g, kf, kbase + (jb + r1) * krs, kcs), scale, softcap)
+                    _score(sc, g, r1, _dot1(qs, g, kf, kbase + (jb + r1) * krs, kcs), scale, softcap, mf is None)
             g += width
         # 3. per head: rescale to the new max, turn scores into weights
         for g in range(G):
@@ -352,13 +371,7 @@ def group_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs
         g = 0
         while g < G:
             width = 4 if G - g >= 4 else 1
-            n_live = 0
-            for r in range(n):
-                for t in range(width):
-                    if sc[g + t, r] != 0.0:
-                        rows[n_live] = r
-                        n_live += 1
-                        break
+            n_live = _live_rows(sc, g, width, n, mf is None, np.float32(0.0), rows)
             if width == 4:
                 x = 0
                 while x + 3 < n_live:
