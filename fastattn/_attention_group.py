@@ -89,7 +89,7 @@ def element_strides(a: np.ndarray) -> np.ndarray:
     return a if not any(s % item for s in a.strides) else np.ascontiguousarray(a)
 
 
-@kernel
+@kernel(inline=True)
 def _dot4x2(qs, g, kf, o1, o2, kcs):
     """Dot products of query rows g .. g+3 with the K rows at flat offsets o1 and o2: 8 sums, one pass."""
     s0 = np.float32(0.0)
@@ -123,7 +123,7 @@ def _dot4x2(qs, g, kf, o1, o2, kcs):
     return s0, s1, s2, s3, t0, t1, t2, t3
 
 
-@kernel
+@kernel(inline=True)
 def _dot4(qs, g, kf, o1, kcs):
     s0 = np.float32(0.0)
     s1 = np.float32(0.0)
@@ -140,7 +140,7 @@ def _dot4(qs, g, kf, o1, kcs):
     return s0, s1, s2, s3
 
 
-@kernel
+@kernel(inline=True)
 def _dot1(qs, g, kf, o1, kcs):
     s0 = np.float32(0.0)
     u1 = np.uint64(o1)
@@ -150,7 +150,7 @@ def _dot1(qs, g, kf, o1, kcs):
     return s0
 
 
-@kernel
+@kernel(inline=True)
 def _axpy4x4(A, a0, DV, p, g, r1, r2, r3, r4, vf, o1, o2, o3, o4, vcs):
     """A[g .. g+3] += p[.., r] V row for four rows: each accumulator is loaded and stored once per four rows
     (256-bit stores are what bounds this loop on Zen 3)."""
@@ -190,7 +190,7 @@ def _axpy4x4(A, a0, DV, p, g, r1, r2, r3, r4, vf, o1, o2, o3, o4, vcs):
         A[e + dv + dv + dv] += (p31 * v1 + p32 * v2) + (p33 * v3 + p34 * v4)
 
 
-@kernel
+@kernel(inline=True)
 def _axpy4x2(A, a0, DV, p, g, r1, r2, vf, o1, o2, vcs):
     """A[g .. g+3] += p[.., r1] V row o1 + p[.., r2] V row o2 (A flat, head g's DV values at a0)."""
     p01 = p[g, r1]
@@ -218,7 +218,7 @@ def _axpy4x2(A, a0, DV, p, g, r1, r2, vf, o1, o2, vcs):
         A[e + dv + dv + dv] += p31 * v1 + p32 * v2
 
 
-@kernel
+@kernel(inline=True)
 def _axpy4(A, a0, DV, p, g, r1, vf, o1, vcs):
     p0 = p[g, r1]
     p1 = p[g + 1, r1]
@@ -237,7 +237,7 @@ def _axpy4(A, a0, DV, p, g, r1, vf, o1, vcs):
         A[e + dv + dv + dv] += p3 * v1
 
 
-@kernel
+@kernel(inline=True)
 def _axpy1(A, a0, DV, p0, vf, o1, vcs):
     u1 = np.uint64(o1)
     step = np.uint64(vcs)
@@ -246,7 +246,7 @@ def _axpy1(A, a0, DV, p0, vf, o1, vcs):
         A[b0 + np.uint64(d)] += p0 * to_f32(vf[u1 + np.uint64(d) if vcs == 1 else u1 + np.uint64(d) * step])
 
 
-@kernel
+@kernel(inline=True)
 def _logit(dot, scale, softcap):
     x = np.float32(dot * scale)
     if softcap != 0.0:
@@ -254,7 +254,7 @@ def _logit(dot, scale, softcap):
     return x
 
 
-@kernel
+@kernel(inline=True)
 def _score(sc, g, r, dot, scale, softcap, unmasked):
     """sc[g, r] = its logit (unmasked) or mask term + logit."""
     if unmasked:
@@ -263,7 +263,7 @@ def _score(sc, g, r, dot, scale, softcap, unmasked):
         sc[g, r] += _logit(dot, scale, softcap)
 
 
-@kernel
+@kernel(inline=True)
 def _live_rows(sc, g, width, n, every, dead, rows):
     """rows[:k] = the rows r < n where sc[g .. g+width, r] is not ``dead`` for some head; returns k. ``every``:
     all n rows (no mask: nothing to skip, and a row of zero weights adds nothing)."""

@@ -32,9 +32,13 @@ FASTMATH = frozenset({"contract", "arcp", "reassoc", "nsz", "afn"})
 KERNEL_OPTIONS = dict(cache=True, nogil=True, fastmath=set(FASTMATH), error_model="numpy")
 
 
-def kernel(fn=None, *, parallel: bool = False):
-    """``numba.njit`` with ``KERNEL_OPTIONS``; ``parallel=True`` for the ``prange`` drivers."""
+def kernel(fn=None, *, parallel: bool = False, inline: bool = False):
+    """``numba.njit`` with ``KERNEL_OPTIONS``; ``parallel=True`` for the ``prange`` drivers; ``inline=True`` for
+    small helpers called in hot loops (inlined by Numba: LLVM leaves calls with many array arguments alone, and
+    the call costs as much as a short loop)."""
     opts = dict(KERNEL_OPTIONS, parallel=parallel)
+    if inline:
+        opts["inline"] = "always"
     if fn is None:
         return lambda f: numba.njit(**opts)(f)
     return numba.njit(**opts)(fn)
