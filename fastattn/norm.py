@@ -20,15 +20,22 @@ same row, LLVM's runtime overlap check would send it down its scalar version.
 
 Threads: below ``PARALLEL_MIN_BYTES`` moved a call runs ``*_serial`` on the calling thread; above, ``*_parallel``
 spreads rows over threads with ``prange`` (rows are independent, so in-place use is safe).
+
+Decode-sized calls (``rms_norm`` and ``rms_norm_mul`` on 2-D ``x`` with a (D,) weight) take the fast path of
+``_dispatch``: ``_norm_fast``'s entry point, with the checks in the kernel, and the general path when it declines.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
+from numba import prange, types
 
 from . import _layout, _threads
 from ._args import norm as _args
-from ._kernel import from_f32, kernel, kernel_view, to_f32
+from ._dispatch import FastPath, array_type, meta, overlaps, same_view, unit_rows
+from ._kernel import assume_contiguous, from_f32, kernel, kernel_view, to_f32
+
+_ND = np.ndarray
+_MAX_EPS = float(np.finfo(np.float64).max)
 
 
 @kernel
@@ -113,6 +120,44 @@ def _add_norm_parallel(x, residual, w, s, out, eps):
         _norm_row(s, w, out, eps, r)
 
 
+@kernel
+def _norm_fast(x, w, out, eps, max_bytes):
+    """The decode fast path (``_dispatch``) of ``rms_norm`` (``w`` None) and ``rms_norm_mul`` (``w`` 1-D): x and
+    out (rows, D). Returns False, having written nothing, unless out has x's shape, w has D elements, eps is
+    finite and >= 0, out is x or overlaps neither x nor w, fewer than ``max_bytes`` move and every operand has
+    aligned unit-stride rows."""
+    if out.shape != x.shape or not (0.0 <= eps <= _MAX_EPS) or 2 * x.size * x.itemsize >= max_bytes:
+        return False
+    mx, mo = meta(x), meta(out)
+    if not (unit_rows(mx) and unit_rows(mo)) or (overlaps(mo, mx) and not same_view(mo, mx)):
+        return False
+    if w is None:
+        for r in range(x.shape[0]):
+            _norm_vec(assume_contiguous(x[r]), None, assume_contiguous(out[r]), eps)
+        return True
+    mw = meta(w)
+    if w.shape[0] != x.shape[1] or not unit_rows(mw) or overlaps(mo, mw):
+        return False
+    wr = assume_contiguous(w)
+    for r in range(x.shape[0]):
+        _norm_vec(assume_contiguous(x[r]), wr, assume_contiguous(out[r]), eps)
+    return True
+
+
+#: entry points of ``_norm_fast``, keyed on (x.dtype, w.dtype or None, out.dtype)
+_fast = FastPath(_norm_fast)
+
+
+def _add_fast(x: np.ndarray, w: np.ndarray | None, out: np.ndarray) -> None:
+    """After the general path accepted a 2-D call that the fast path could take: its entry point for next time."""
+    small = 2 * x.nbytes < _threads.PARALLEL_MIN_BYTES
+    if small and x.ndim == 2 and (w is None or w.ndim == 1) and out.dtype == x.dtype:
+        key = (x.dtype, None if w is None else w.dtype, out.dtype)
+        if _fast.get(key) is None:
+            w_type = types.none if w is None else array_type(w.dtype, 1)
+            _fast.add(key, (array_type(x.dtype, 2), w_type, array_type(out.dtype, 2), types.float64, types.int64))
+
+
 def _blocks(full: list[np.ndarray], w: np.ndarray | None) -> list[_layout.Block]:
     """Kernel views of the operands, the leading axes merged into one (``_layout.merge_leading``)."""
     full = [kernel_view(a) for a in full]
@@ -126,12 +171,19 @@ def rms_norm(x: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.nda
     x: (..., D) float32, float16 or bfloat16, any strides. out: like ``x`` (may be ``x`` itself, for in place).
     Returns ``out``, in ``x``'s dtype.
     """
+    if x.__class__ is _ND and eps.__class__ is float and x.ndim == 2:  # the fast path (see _dispatch)
+        y = np.empty(x.shape, x.dtype) if out is None else out
+        if out is None or (y.__class__ is _ND and y.ndim == 2 and y.flags.writeable):
+            entry = _fast.get((x.dtype, None, y.dtype))
+            if entry is not None and entry(x, None, y, eps, _threads.PARALLEL_MIN_BYTES):
+                return y
     x, eps, out = _args.rms_norm(x, eps, out)
     if out is None:
         out = np.empty(x.shape, x.dtype)
     run = _norm_serial if _threads.threads_for(2 * x.nbytes) == 1 else _norm_parallel
     if x.ndim == 2:  # the common case directly: at decode size the generic merge costs a fifth of the call
         run(kernel_view(x), None, kernel_view(out), eps)
+        _add_fast(x, None, out)
         return out
     for (xk, ok), _ in _blocks([x, out], None):
         run(xk, None, ok, eps)
@@ -145,12 +197,19 @@ def rms_norm_mul(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | Non
     ``x``'s shape (each axis length divides ``x``'s; a (D,) weight is the common case). out: like ``x`` (may be
     ``x``; may not overlap ``w``). Returns ``out``, in ``x``'s dtype.
     """
+    if x.__class__ is _ND and w.__class__ is _ND and eps.__class__ is float and x.ndim == 2 and w.ndim == 1:
+        y = np.empty(x.shape, x.dtype) if out is None else out  # the fast path (see _dispatch)
+        if out is None or (y.__class__ is _ND and y.ndim == 2 and y.flags.writeable):
+            entry = _fast.get((x.dtype, w.dtype, y.dtype))
+            if entry is not None and entry(x, w, y, eps, _threads.PARALLEL_MIN_BYTES):
+                return y
     x, w, eps, out = _args.rms_norm_mul(x, w, eps, out)
     if out is None:
         out = np.empty(x.shape, x.dtype)
     run = _norm_serial if _threads.threads_for(2 * x.nbytes) == 1 else _norm_parallel
     if x.ndim == 2 and w.ndim == 1:  # the common case directly: the generic merge costs a fifth of a decode call
         run(kernel_view(x), kernel_view(w)[None], kernel_view(out), eps)
+        _add_fast(x, w, out)
         return out
     for (xk, ok), (wk,) in _blocks([x, out], w):
         run(xk, wk, ok, eps)

@@ -14,15 +14,21 @@ rows in order. All writes to one destination row therefore happen on one worker 
 duplicate indices the last row wins, as in ggml. The hash is Fibonacci hashing of the destination row: the
 fractional part of ``row * golden ratio`` spreads any arithmetic progression of slots (consecutive, every other
 one, ...) evenly over the workers. Each worker scans all ``n`` indices, which is cheap next to the row copies.
+
+Decode-sized calls (2-D ``dst``, 1-D ``idx``) take the fast path of ``_dispatch``: ``_set_rows_fast``'s entry
+point, with the checks in the kernel, and the general path when it declines (which it does for a bad index too).
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
+from numba import prange, types
 
 from . import _layout, _threads
 from ._args import rows as _args
-from ._kernel import from_f32, kernel, kernel_view, to_f32
+from ._dispatch import FastPath, aligned, array_type, meta, overlaps, unit_rows
+from ._kernel import assume_contiguous, from_f32, kernel, kernel_view, to_f32
+
+_ND = np.ndarray
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio
 
@@ -78,6 +84,39 @@ def _set_rows_parallel(dst, src, idx, n_workers):
     return -1
 
 
+@kernel
+def _set_rows_fast(dst, src, idx, max_bytes):
+    """The decode fast path (``_dispatch``): dst (R, D), src (n, D), idx (n,). Returns False, having written
+    nothing, unless the shapes match, fewer than ``max_bytes`` move, dst and src have aligned unit-stride rows,
+    idx is aligned, dst overlaps neither src nor idx and every index is in [0, R)."""
+    n, d = src.shape
+    n_rows = dst.shape[0]
+    if idx.shape[0] != n or dst.shape[1] != d or n * d * (src.itemsize + dst.itemsize) >= max_bytes:
+        return False
+    md, ms, mi = meta(dst), meta(src), meta(idx)
+    if not (unit_rows(md) and unit_rows(ms) and aligned(mi)) or overlaps(md, ms) or overlaps(md, mi):
+        return False
+    for i in range(n):
+        if idx[i] < 0 or idx[i] >= n_rows:
+            return False
+    for i in range(n):  # rows retyped contiguous: the conversion vectorises
+        _copy_row(assume_contiguous(src[i]), assume_contiguous(dst[idx[i]]))
+    return True
+
+
+#: entry points of ``_set_rows_fast``, keyed on (dst.dtype, src.dtype, idx.dtype)
+_fast = FastPath(_set_rows_fast)
+
+
+def _add_fast(dst: np.ndarray, src: np.ndarray, idx: np.ndarray) -> None:
+    """After the general path accepted a 2-D call that the fast path could take: its entry point for next time."""
+    if dst.ndim == 2 and idx.ndim == 1 and src.size * (src.itemsize + dst.itemsize) < _threads.PARALLEL_MIN_BYTES:
+        key = (dst.dtype, src.dtype, idx.dtype)
+        if _fast.get(key) is None:
+            _fast.add(key, (array_type(dst.dtype, 2), array_type(src.dtype, 2), array_type(idx.dtype, 1),
+                            types.int64))
+
+
 def set_rows(dst: np.ndarray, src: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """Write row ``i`` of ``src`` into row ``idx[i]`` of ``dst``, converted to ``dst``'s dtype; returns ``dst``.
 
@@ -87,6 +126,11 @@ def set_rows(dst: np.ndarray, src: np.ndarray, idx: np.ndarray) -> np.ndarray:
     An index outside [0, R) raises ``ValueError`` and nothing is written. Nothing of ``dst`` but the indexed
     rows changes.
     """
+    if (dst.__class__ is _ND and src.__class__ is _ND and idx.__class__ is _ND and dst.ndim == 2 and src.ndim == 2
+            and idx.ndim == 1 and dst.flags.writeable):  # the fast path (see _dispatch)
+        entry = _fast.get((dst.dtype, src.dtype, idx.dtype))
+        if entry is not None and entry(dst, src, idx, _threads.PARALLEL_MIN_BYTES):
+            return dst
     dst, src, idx = _args.set_rows(dst, src, idx)
     n_rows = dst.shape[-2]
     n_workers = _threads.threads_for(src.size * (src.itemsize + dst.itemsize))
@@ -106,4 +150,5 @@ def set_rows(dst: np.ndarray, src: np.ndarray, idx: np.ndarray) -> np.ndarray:
             bad = _set_rows_parallel(dk, sk, ik, n_workers)
         if bad >= 0:
             raise _args.index_error(idx, n_rows, tuple(int(i) for i in np.unravel_index(bad, idx.shape)))
+    _add_fast(dst, src, idx)
     return dst
