@@ -87,13 +87,16 @@ def _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, u):
     load_group_queries(qf, qo + b * qst[0] + h0 * qst[1], qst[1], qst[3], qs)
     M = Mp[b, kvh, c]
     S = Sp[b, kvh, c]
-    A = Ap[b, kvh, c]
     M[:] = -np.inf
     S[:] = 0.0
-    A[:] = 0.0
+    # The unit accumulates into its own scratch and copies it out once: accumulating straight into the partial
+    # buffer (units 2 KiB apart) ran 15-30% slower in interleaved runs, likely store/load address aliasing with
+    # the V rows.
+    A = np.zeros(Ap.shape[3], np.float32)
     group_rows(qs, kf, ko + kb * kst[0] + kvh * kst[1], kst[2], kst[3], vf, vo + kb * vst[0] + kvh * vst[1], vst[2],
                vst[3], mf, mo + (b % Bm) * mst[0], mst[1], mst[3], Hm, slopes, h0, scale, softcap, c * rows,
                min(Nkv, (c + 1) * rows), M, S, A, sc, live)
+    Ap[b, kvh, c] = A
 
 
 @kernel
