@@ -9,6 +9,9 @@ Phase 2 (on the calling thread: it is ~1% of the work), per (b, query head): the
 order with the two-state online softmax (``M' = max(M, M_c)``, ``S' = S e^(M - M') + S_c e^(M_c - M')``, the
 same for ``A``), then the sink joins the denominator and ``out[b, 0, h] = A / S``.
 
+Threads: one ``prange`` iteration per thread, each taking the next unit from a shared atomic counter
+(``_kernel.fetch_add``), so a thread slowed down by another process simply runs fewer units.
+
 Chunk boundaries depend on Nkv only (``chunking``), never on the thread count, and each chunk and each fold runs
 the same code in a fixed order: the output is bit-identical for 1 and N threads (ggml's is not).
 
@@ -26,7 +29,7 @@ from numba import prange
 from . import _threads
 from ._attention_group import (ROWS, element_strides, finalize, flat4, flat_mask, group_rows,
                                load_group_queries)
-from ._kernel import call_any_layout, fast_exp, kernel
+from ._kernel import call_any_layout, fast_exp, fetch_add, kernel
 
 #: Rows per chunk aimed at. Each chunk costs a unit's setup, its partials and a fold step; measured on the
 #: 2-core machine (1 thread, cold cache), 512-1024-row chunks ran 4-20% faster than 256-row ones and matched
@@ -136,9 +139,15 @@ def _serial(q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap)
 
 
 @kernel(parallel=True)
-def _parallel(q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap):
-    for u in prange(Mp.shape[0] * Mp.shape[1] * Mp.shape[2]):
-        _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, u)
+def _parallel(q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap, next_unit, n_threads):
+    n_units = Mp.shape[0] * Mp.shape[1] * Mp.shape[2]
+    # one iteration per thread, each taking units from the shared counter (a unit's result does not depend on
+    # the thread that runs it, so the output stays bit-identical)
+    for _ in prange(n_threads):
+        u = fetch_add(next_unit)
+        while u < n_units:
+            _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, u)
+            u = fetch_add(next_unit)
     # The folds are ~1% of the work: on the calling thread, saving a second fork-join of the pool.
     for bh in range(q.shape[0] * q.shape[1]):
         _fold(Mp, Sp, Ap, sinks, out, bh)
@@ -162,7 +171,11 @@ def run_split_kv(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     n_chunks, rows = chunking(Nkv)
     Mp, Sp, Ap = _partials(B, Hkv, n_chunks, Hq // Hkv, DV)
     nbytes = B * Hkv * Nkv * (DK * k.itemsize + DV * v.itemsize)
-    driver = _parallel if _threads.threads_for(nbytes) > 1 else _serial
-    call_any_layout(driver, STRIDED, element_strides(q), element_strides(k), element_strides(v),
-                    None if mask is None else element_strides(mask), slopes, sinks, np.float32(scale),
-                    np.float32(softcap), out, rows, Mp, Sp, Ap)
+    n_threads = _threads.threads_for(nbytes)
+    args = (element_strides(q), element_strides(k), element_strides(v),
+            None if mask is None else element_strides(mask), slopes, sinks, np.float32(scale), np.float32(softcap),
+            out, rows, Mp, Sp, Ap)
+    if n_threads > 1:
+        call_any_layout(_parallel, STRIDED, *args, np.zeros(1, np.int64), n_threads)
+    else:
+        call_any_layout(_serial, STRIDED, *args)

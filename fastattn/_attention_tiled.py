@@ -44,7 +44,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from . import _threads
-from ._kernel import assume_contiguous, call_any_layout, fast_exp, kernel, to_f32
+from ._kernel import assume_contiguous, call_any_layout, fast_exp, fetch_add, kernel, to_f32
 
 #: Query rows of one head per tile (a multiple of both register-block dimensions, 6 and 16).
 Q_TILE = 48
@@ -160,19 +160,6 @@ def _block_values(typingctx, st, vs, o, alpha, i, j, kdim):
     """o[i:i+6, j:j+16] = alpha[i:i+6, None] * o[i:i+6, j:j+16] + st[:kdim, i:i+6].T @ vs[:kdim, j:j+16]"""
     _check_scratch(st, vs, o, alpha)
     return types.none(st, vs, o, alpha, i, j, kdim), _block_codegen(a_transposed=True, scaled_accumulate=True)
-
-
-@intrinsic
-def _fetch_add(typingctx, counter):
-    """Atomically add 1 to counter[0] (an int64 array) and return its previous value."""
-    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
-        raise TypingError("_fetch_add: expected an int64 array")
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        return builder.atomic_rmw("add", data, ir.Constant(ir.IntType(64), 1), "monotonic")
-
-    return types.int64(counter), codegen
 
 
 @kernel
@@ -418,7 +405,7 @@ def _run_slot(slot, next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, h
     n_q_tiles = -(-Nq // Q_TILE)
     n_tasks = B * Hkv * n_head_blocks * n_q_tiles
     while True:
-        position = _fetch_add(next_task)
+        position = fetch_add(next_task)
         if position >= n_tasks:
             return
         b, g, head_block, q_tile = _task_of(position, B, Hkv, n_head_blocks, n_q_tiles)

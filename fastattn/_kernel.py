@@ -209,6 +209,23 @@ def fast_exp(x):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Dynamic scheduling: prange splits its range evenly between threads, so on a shared machine the thread whose core
+# is busy elsewhere decides the time. Drivers that run independent units instead start one prange iteration per
+# thread and let each take the next unit number from a shared counter until none is left.
+@intrinsic
+def fetch_add(typingctx, counter):
+    """Atomically add 1 to counter[0] (an int64 array) and return its previous value."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
+        raise TypingError("fetch_add: expected an int64 array")
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.atomic_rmw("add", data, ir.Constant(ir.IntType(64), 1), "monotonic")
+
+    return types.int64(counter), codegen
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Layouts: one compiled variant for contiguous and strided inputs, and unit-stride rows that still vectorise.
 @intrinsic
 def assume_contiguous(typingctx, row):
