@@ -25,7 +25,8 @@ Algorithm, in two passes:
 Layout: ``x`` (..., N, H, D) with any strides, e.g. Q = ``qkv[:, :H*D].reshape(N, H, D)`` of a fused projection
 output (a no-copy view), is read through its strides: leading axes are merged without a copy when NumPy can,
 otherwise looped over. float16 travels as uint16 bits (``_kernel.kernel_view``). The kernels run serially below
-``_threads.PARALLEL_MIN_BYTES`` and as a ``prange`` over tokens above it.
+``_threads.PARALLEL_MIN_BYTES`` and above it on ``prange`` threads that take tasks of
+``TOKENS_PER_TASK`` tokens from a shared counter.
 
 ``rope_set_rows`` is the same rotation with the output row of token i being ``dst[idx[i]]`` in the cache's dtype
 (float32, float16 or bfloat16, round to nearest even); on several threads, only the last of duplicate indices
@@ -45,7 +46,7 @@ from numba.extending import overload
 
 from . import _threads
 from ._args import rope as _args
-from ._kernel import KERNEL_OPTIONS, assume_contiguous, from_f32, kernel_view, to_f32
+from ._kernel import KERNEL_OPTIONS, assume_contiguous, fetch_add, from_f32, kernel_view, to_f32
 from ._modes import RopeMode
 from ._validate import FLOAT16, FLOAT32, STORAGE_FLOATS
 
@@ -138,7 +139,7 @@ def _follows(pos, n):
 
 @numba.njit(**_ORDERED)
 def _cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, n0, n1):
-    """Rows n0 .. n1 of cs (cos then sin of each token, float32) from float64 cos/sin kept in c64/s64."""
+    """cs[n - n0] = cos then sin (float32) of token n, for n0 <= n < n1 (float64 cos/sin kept in c64/s64)."""
     n_pairs = w.shape[0]
     theta = np.empty(n_pairs)
     c64 = np.empty(n_pairs)
@@ -152,7 +153,7 @@ def _cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, 
                 s64[p] = s * step_cos[p] + c * step_sin[p]
         else:
             _direct_row(pos, n, streams, w, theta, c64, s64)
-        row = cs[n]
+        row = cs[n - n0]
         cos_row = row[:n_pairs]
         sin_row = row[n_pairs:]
         for p in range(n_pairs):
@@ -165,8 +166,8 @@ def _build_cache_serial(pos, streams, w, step_cos, step_sin, cos_scale, sin_scal
     """cs: (N, 2·n_pairs) float32, cos then sin of each token."""
     n_tokens = cs.shape[0]
     for n0 in range(0, n_tokens, CACHE_BLOCK):
-        _cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, n0,
-                     min(n_tokens, n0 + CACHE_BLOCK))
+        n1 = min(n_tokens, n0 + CACHE_BLOCK)
+        _cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs[n0:n1], n0, n1)
 
 
 @numba.njit(parallel=True, **_ORDERED)
@@ -174,8 +175,8 @@ def _build_cache_parallel(pos, streams, w, step_cos, step_sin, cos_scale, sin_sc
     n_tokens = cs.shape[0]
     for b in prange((n_tokens + CACHE_BLOCK - 1) // CACHE_BLOCK):
         n0 = b * CACHE_BLOCK
-        _cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, n0,
-                     min(n_tokens, n0 + CACHE_BLOCK))
+        n1 = min(n_tokens, n0 + CACHE_BLOCK)
+        _cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs[n0:n1], n0, n1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -262,6 +263,10 @@ def _rope_head(src, dst, cache_row, n_pairs, interleaved, in_place, unit_stride)
         _rotate_into(src, dst, cos, sin, n_pairs, interleaved)
 
 
+#: Tokens per task of the parallel drivers: threads take tasks from a shared counter (``_kernel.fetch_add``), so
+#: a thread slowed down by another process runs fewer of them. 8 tokens x 32 heads x 128 dims is ~32 KiB of x.
+TOKENS_PER_TASK = 8
+
 #: (interleaved, in_place, unit_stride, parallel) -> driver, filled by _rope_driver (a plain dict: the lean
 #: decode path looks it up without functools' call overhead)
 _DRIVERS: dict = {}
@@ -271,15 +276,21 @@ def _rope_driver(interleaved: bool, in_place: bool, unit_stride: bool, parallel:
     """The kernel ``(x, out, cs, n_pairs)`` for one combination of flags (made once). The flags are closure
     constants, so each driver keeps only its own loop: with them as run-time arguments, or with a per-row stride
     test, the NEOX out-of-place loop ran 1.25-1.7x slower. x, out: (B, N, H, D) of one dtype (out may be x); cs:
-    (N, 2·n_pairs) float32, cos then sin. In parallel the tokens are split between threads."""
+    (N, 2·n_pairs) float32, cos then sin. In parallel, ``(next_task, n_threads)`` follow: a zeroed int64 counter
+    and the thread count; the threads take tasks of TOKENS_PER_TASK tokens from the counter."""
     key = (interleaved, in_place, unit_stride, parallel)
     if key in _DRIVERS:
         return _DRIVERS[key]
     if parallel:
         @numba.njit(parallel=True, **_EXACT)
-        def drive(x, out, cs, n_pairs):
-            for n in prange(x.shape[1]):
-                _rope_token(x, out, n, cs, n_pairs, interleaved, in_place, unit_stride)
+        def drive(x, out, cs, n_pairs, next_task, n_threads):
+            n_tasks = (x.shape[1] + TOKENS_PER_TASK - 1) // TOKENS_PER_TASK
+            for _ in prange(n_threads):
+                task = fetch_add(next_task)
+                while task < n_tasks:
+                    for n in range(task * TOKENS_PER_TASK, min(x.shape[1], (task + 1) * TOKENS_PER_TASK)):
+                        _rope_token(x, out, n, cs, n_pairs, interleaved, in_place, unit_stride)
+                    task = fetch_add(next_task)
     else:
         @numba.njit(**_EXACT)
         def drive(x, out, cs, n_pairs):
@@ -305,25 +316,53 @@ def _set_rows_driver(interleaved: bool, unit_stride: bool, parallel: bool):
     keep[i] (the last of their index) write."""
     if parallel:
         @numba.njit(parallel=True, **_EXACT)
-        def drive(x, dst, idx, keep, cs, n_pairs):
-            for i in prange(x.shape[0]):
-                if keep[i]:
-                    _set_row(x, dst, i, idx[i], cs, n_pairs, interleaved, unit_stride)
+        def drive(x, dst, idx, keep, cs, n_pairs, next_task, n_threads):
+            n_tasks = (x.shape[0] + TOKENS_PER_TASK - 1) // TOKENS_PER_TASK
+            for _ in prange(n_threads):
+                task = fetch_add(next_task)
+                while task < n_tasks:
+                    for i in range(task * TOKENS_PER_TASK, min(x.shape[0], (task + 1) * TOKENS_PER_TASK)):
+                        if keep[i]:
+                            _set_row(x[i], dst[idx[i]], cs[i], n_pairs, interleaved, unit_stride)
+                    task = fetch_add(next_task)
     else:
         @numba.njit(**_EXACT)
         def drive(x, dst, idx, keep, cs, n_pairs):
             for i in range(x.shape[0]):
-                _set_row(x, dst, i, idx[i], cs, n_pairs, interleaved, unit_stride)
+                _set_row(x[i], dst[idx[i]], cs[i], n_pairs, interleaved, unit_stride)
     return drive
 
 
 @numba.njit(**_INLINE)
-def _set_row(x, dst, i, row, cs, n_pairs, interleaved, unit_stride):
-    cache_row = cs[i]
-    xi = x[i]
-    di = dst[row]
+def _set_row(xi, di, cache_row, n_pairs, interleaved, unit_stride):
+    """One token: its K rows xi (H, D) rotated into the cache row di (H, D)."""
     for h in range(xi.shape[0]):
         _rope_head(xi[h], di[h], cache_row, n_pairs, interleaved, False, unit_stride)
+
+
+@functools.cache
+def _fused_set_rows_driver(interleaved: bool, unit_stride: bool):
+    """rope_set_rows on threads, the cos/sin made inside the same pass: ``(x, dst, idx, keep, pos, streams, w,
+    step_cos, step_sin, cos_scale, sin_scale, next_task, n_threads)``. A task is one CACHE_BLOCK of tokens: its
+    cos/sin go to the thread's scratch (exactly the values ``rope_cache`` would store: same blocks, same code),
+    then its K rows to the cache; only tokens with keep[i] (the last of their index) write."""
+    @numba.njit(parallel=True, **_EXACT)
+    def drive(x, dst, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, next_task, n_threads):
+        n_tokens = x.shape[0]
+        n_pairs = w.shape[0]
+        n_tasks = (n_tokens + CACHE_BLOCK - 1) // CACHE_BLOCK
+        for _ in prange(n_threads):
+            cs = np.empty((CACHE_BLOCK, 2 * n_pairs), np.float32)
+            task = fetch_add(next_task)
+            while task < n_tasks:
+                n0 = task * CACHE_BLOCK
+                n1 = min(n_tokens, n0 + CACHE_BLOCK)
+                _cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, n0, n1)
+                for i in range(n0, n1):
+                    if keep[i]:
+                        _set_row(x[i], dst[idx[i]], cs[i - n0], n_pairs, interleaved, unit_stride)
+                task = fetch_add(next_task)
+    return drive
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -484,9 +523,13 @@ def _as_4d(a: np.ndarray) -> np.ndarray | None:
 def _run(xk: np.ndarray, ok: np.ndarray, cache: RopeCache, in_place: bool, nbytes: int) -> None:
     """The kernel call on (B, N, H, D) kernel views. The size test comes first: asking for the thread count
     costs ~1 us, as much as a decode-sized rotation."""
-    parallel = nbytes >= _threads.PARALLEL_MIN_BYTES and xk.shape[1] > 1 and _threads.threads_for(nbytes) > 1
+    n_threads = _threads.threads_for(nbytes) if nbytes >= _threads.PARALLEL_MIN_BYTES and xk.shape[1] > 1 else 1
     unit_stride = xk.strides[3] == xk.itemsize and ok.strides[3] == ok.itemsize
-    _rope_driver(cache.interleaved, in_place, unit_stride, parallel)(xk, ok, cache.cs, cache.n_pairs)
+    driver = _rope_driver(cache.interleaved, in_place, unit_stride, n_threads > 1)
+    if n_threads > 1:
+        driver(xk, ok, cache.cs, cache.n_pairs, np.zeros(1, np.int64), n_threads)
+    else:
+        driver(xk, ok, cache.cs, cache.n_pairs)
 
 
 def _apply(x: np.ndarray, out: np.ndarray, cache: RopeCache) -> None:
@@ -529,12 +572,14 @@ def apply_rope_cache(x: np.ndarray, cache: RopeCache, *, out: np.ndarray | None 
                 xk = x[None]
                 ok = xk if in_place else out[None]
             nbytes = 2 * x.nbytes
-            parallel = nbytes >= _threads.PARALLEL_MIN_BYTES and n > 1 and _threads.threads_for(nbytes) > 1
+            if nbytes >= _threads.PARALLEL_MIN_BYTES and n > 1:
+                _run(xk, ok, cache, in_place, nbytes)
+                return out
             itemsize = x.itemsize
             unit_stride = x.strides[2] == itemsize and out.strides[2] == itemsize
-            driver = _DRIVERS.get((cache.interleaved, in_place, unit_stride, parallel))
+            driver = _DRIVERS.get((cache.interleaved, in_place, unit_stride, False))
             if driver is None:
-                driver = _rope_driver(cache.interleaved, in_place, unit_stride, parallel)
+                driver = _rope_driver(cache.interleaved, in_place, unit_stride, False)
             driver(xk, ok, cache.cs, cache.n_pairs)
             return out
     _args.parse_x(x)
@@ -593,7 +638,7 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
     dst3, idx = _args.parse_set_rows(dst, x, idx, params, dst_dtypes=STORAGE_FLOATS)
     pos = _args.parse_pos(pos, params, x.shape[0])
     if x.shape[0]:
-        _set_rows(dst3, x, idx, _build_cache(pos, params))
+        _set_rows(dst3, x, idx, None, pos, params)
     return dst
 
 
@@ -631,18 +676,36 @@ def apply_rope_cache_set_rows(dst: np.ndarray, x: np.ndarray, cache: RopeCache, 
     return dst
 
 
-def _set_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, cache: RopeCache) -> None:
+def _set_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, cache: RopeCache | None,
+              pos: np.ndarray | None = None, params: _args.RopeParams | None = None) -> None:
+    """Rotate x's rows into dst3[idx] with a prebuilt ``cache``, or (cache None) with cos/sin made from ``pos`` and
+    ``params``: on threads inside the same pass, serially by building the cache first."""
     n_tokens = x.shape[0]
     xk = kernel_view(x)
     dk = kernel_view(dst3)
     nbytes = x.nbytes + x.size * dst3.itemsize
-    parallel = n_tokens > 1 and nbytes >= _threads.PARALLEL_MIN_BYTES and _threads.threads_for(nbytes) > 1
-    keep = np.zeros(n_tokens if parallel else 0, np.bool_)
-    if parallel:
-        if np.all(idx[1:] > idx[:-1]):  # the usual consecutive cache slots: no duplicates, no sort needed
-            keep[:] = True
-        else:
-            _, last_from_end = np.unique(idx[::-1], return_index=True)
-            keep[n_tokens - 1 - last_from_end] = True
+    n_threads = _threads.threads_for(nbytes) if n_tokens > 1 and nbytes >= _threads.PARALLEL_MIN_BYTES else 1
+    parallel = n_threads > 1
+    if cache is None and not parallel:
+        cache = _build_cache(pos, params)
+    interleaved = params.mode == RopeMode.NORMAL if cache is None else cache.interleaved
     unit_stride = xk.strides[2] == xk.itemsize and dk.strides[2] == dk.itemsize
-    _set_rows_driver(cache.interleaved, unit_stride, parallel)(xk, dk, idx, keep, cache.cs, cache.n_pairs)
+    if not parallel:
+        _set_rows_driver(interleaved, unit_stride, False)(xk, dk, idx, np.zeros(0, np.bool_), cache.cs,
+                                                          cache.n_pairs)
+        return
+    keep = np.zeros(n_tokens, np.bool_)
+    if np.all(idx[1:] > idx[:-1]):  # the usual consecutive cache slots: no duplicates, no sort needed
+        keep[:] = True
+    else:
+        _, last_from_end = np.unique(idx[::-1], return_index=True)
+        keep[n_tokens - 1 - last_from_end] = True
+    next_task = np.zeros(1, np.int64)
+    if cache is not None:
+        _set_rows_driver(interleaved, unit_stride, True)(xk, dk, idx, keep, cache.cs, cache.n_pairs, next_task,
+                                                         n_threads)
+    else:
+        table = _pair_table(params)
+        _fused_set_rows_driver(interleaved, unit_stride)(xk, dk, idx, keep, pos, table.streams, table.w,
+                                                         table.step_cos, table.step_sin, table.cos_scale,
+                                                         table.sin_scale, next_task, n_threads)

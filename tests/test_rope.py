@@ -22,6 +22,7 @@ import fastattn.reference.rope as ref_rope
 from fastattn import _threads
 from fastattn._args import rope as rope_args
 from fastattn._validate import BFLOAT16, FLOAT16, FLOAT32
+from fastattn.rope import CACHE_BLOCK, RECURRENCE_MAX_POS
 
 MODES = (fastattn.ROPE_NORMAL, fastattn.ROPE_NEOX, fastattn.ROPE_MROPE, fastattn.ROPE_IMROPE, fastattn.ROPE_VISION)
 MULTI = (fastattn.ROPE_MROPE, fastattn.ROPE_IMROPE, fastattn.ROPE_VISION)
@@ -83,7 +84,7 @@ def positions(streams: int, n: int, rng: np.random.Generator, kind: str) -> np.n
     if kind == "small":
         pos = rng.integers(-8, 4096, (streams, n))
     elif kind == "runs":  # consecutive runs (the cache's recurrence) with jumps, in some streams only
-        start = rng.choice([-3, 0, 70_000, 999_990, fastattn.rope.RECURRENCE_MAX_POS - 3])
+        start = rng.choice([-3, 0, 70_000, 999_990, RECURRENCE_MAX_POS - 3])
         steps = rng.choice([1, 1, 1, 0, 5], (streams, n))
         steps[:, 0] = 0
         pos = start + np.cumsum(steps, axis=1) + rng.integers(0, 2, (streams, 1))
@@ -420,7 +421,7 @@ def test_float64_angles_are_more_accurate_than_ggmls_float32_recurrence():
 def test_cache_recurrence_matches_direct_angles(streams, threads):
     """A long prompt (positions + 1 per token, across several cache blocks, one stream jumping once) gives the
     cos/sin of computing every token on its own, to 1 float32 ulp, serial and parallel builds bit-identical."""
-    n = 3 * fastattn.rope.CACHE_BLOCK * 3 + 5  # past the parallel build's threshold on 2 threads
+    n = 3 * CACHE_BLOCK * 3 + 5  # past the parallel build's threshold on 2 threads
     pos = np.tile(np.arange(n, dtype=np.int32) + 123_456, (streams, 1))
     if streams == 4:
         pos[2, 200:] += 7  # the w stream jumps: that token is computed directly, the next ones step again
@@ -596,6 +597,30 @@ def test_prebuilt_cache_set_rows_equals_rope_set_rows(config, dst_dtype, n, seed
     assert a.tobytes() == b.tobytes()
     by_cache = ref.apply_rope_cache_set_rows(original.copy(), x, ref.rope_cache(pos, **kwargs), idx)
     assert np.array_equal(by_cache, ref.rope_set_rows(original.copy(), x, pos, idx, **kwargs))
+
+
+@pytest.mark.parametrize("streams", [1, 4])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rope_set_rows_makes_the_prebuilt_caches_values(streams, threads):
+    """On threads rope_set_rows makes cos/sin block by block inside its pass: the bytes written are those of the
+    prebuilt-cache path, across several blocks of consecutive positions, a jump and duplicate slots."""
+    rng = np.random.default_rng(9)
+    n = 2 * CACHE_BLOCK + 9
+    pos = np.tile(np.arange(n, dtype=np.int32) + 1000, (streams, 1))
+    pos[:, 100:] += 17
+    x = rng.standard_normal((n, 4, 64)).astype(np.float32)
+    idx = rng.permutation(n + 20)[:n]
+    idx[50] = idx[7]  # a duplicate: the later token wins
+    kwargs = dict(n_dims=64, mode=fastattn.ROPE_NEOX if streams == 1 else fastattn.ROPE_MROPE,
+                  sections=None if streams == 1 else [8, 12, 12, 0])
+    positions_arg = pos[0] if streams == 1 else pos
+    fused, prebuilt = (np.zeros((n + 20, 4, 64), np.float16) for _ in range(2))
+    with run_on(threads):
+        fastattn.rope_set_rows(fused, x, positions_arg, idx, **kwargs)
+        fastattn.apply_rope_cache_set_rows(prebuilt, x, fastattn.rope_cache(positions_arg, **kwargs), idx)
+    assert fused.tobytes() == prebuilt.tobytes()
+    expected = ref.rope_set_rows(np.zeros((n + 20, 4, 64), np.float16), x, positions_arg, idx, **kwargs)
+    assert np.max(ulp_distance(fused, expected)) <= 1
 
 
 @pytest.mark.parametrize("idx_kind", ["increasing", "duplicates"])
