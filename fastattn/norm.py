@@ -172,11 +172,12 @@ def rms_norm(x: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.nda
     Returns ``out``, in ``x``'s dtype.
     """
     if x.__class__ is _ND and eps.__class__ is float and x.ndim == 2:  # the fast path (see _dispatch)
-        y = np.empty(x.shape, x.dtype) if out is None else out
-        if out is None or (y.__class__ is _ND and y.ndim == 2 and y.flags.writeable):
-            entry = _fast.get((x.dtype, None, y.dtype))
-            if entry is not None and entry(x, None, y, eps, _threads.PARALLEL_MIN_BYTES):
-                return y
+        if out is None or (out.__class__ is _ND and out.ndim == 2 and out.flags.writeable):
+            entry = _fast.get((x.dtype, None, x.dtype if out is None else out.dtype))
+            if entry is not None:
+                y = np.empty(x.shape, x.dtype) if out is None else out
+                if entry(x, None, y, eps, _threads.PARALLEL_MIN_BYTES):
+                    return y
     x, eps, out = _args.rms_norm(x, eps, out)
     if out is None:
         out = np.empty(x.shape, x.dtype)
@@ -198,11 +199,12 @@ def rms_norm_mul(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | Non
     ``x``; may not overlap ``w``). Returns ``out``, in ``x``'s dtype.
     """
     if x.__class__ is _ND and w.__class__ is _ND and eps.__class__ is float and x.ndim == 2 and w.ndim == 1:
-        y = np.empty(x.shape, x.dtype) if out is None else out  # the fast path (see _dispatch)
-        if out is None or (y.__class__ is _ND and y.ndim == 2 and y.flags.writeable):
-            entry = _fast.get((x.dtype, w.dtype, y.dtype))
-            if entry is not None and entry(x, w, y, eps, _threads.PARALLEL_MIN_BYTES):
-                return y
+        if out is None or (out.__class__ is _ND and out.ndim == 2 and out.flags.writeable):  # the fast path
+            entry = _fast.get((x.dtype, w.dtype, x.dtype if out is None else out.dtype))  # (see _dispatch)
+            if entry is not None:
+                y = np.empty(x.shape, x.dtype) if out is None else out
+                if entry(x, w, y, eps, _threads.PARALLEL_MIN_BYTES):
+                    return y
     x, w, eps, out = _args.rms_norm_mul(x, w, eps, out)
     if out is None:
         out = np.empty(x.shape, x.dtype)

@@ -11,8 +11,8 @@ Algorithm, in two passes:
    block of ``CACHE_BLOCK`` tokens; a following token whose positions are the previous ones + 1 (a prompt, or
    the text tokens of every stream) takes one float64 angle-addition step instead, (cos, sin)(theta + w) from
    (cos, sin)(theta) and the correctly rounded (cos w, sin w): ~1e-14 off the direct values within a block,
-   6x cheaper. Then they are scaled by mscale (and sin by -1 for backward) and stored as float32 tables. This is once per (position, stream),
-   shared by all heads, and by Q and K when the caller keeps the cache for a decode step. cos and sin of a
+   6x cheaper. Then they are scaled by mscale (and sin by -1 for backward) and stored as float32 tables. This
+   is once per (position, stream), shared by all heads, and by Q and K when the caller keeps the cache for a decode step. cos and sin of a
    token sit side by side in one row of ``cs`` (N, 2·n_pairs).
 2. **The rotation**: for every (batch, token, head) row, each pair (a, b) becomes (a·cos − b·sin, a·sin + b·cos)
    in float32, every product rounded on its own (no FMA contraction), so results are identical across layouts,
@@ -311,9 +311,9 @@ def _rope_token(x, out, n, cs, n_pairs, interleaved, in_place, unit_stride):
 
 @functools.cache
 def _set_rows_driver(interleaved: bool, unit_stride: bool, parallel: bool):
-    """The rope_set_rows kernel ``(x, dst, idx, keep, cs, n_pairs)``: x (N, H, D) K rows, dst (R, H, D) cache;
-    token i goes to dst[idx[i]]. Serially in order (the last duplicate wins); in parallel only tokens with
-    keep[i] (the last of their index) write."""
+    """The rope_set_rows kernel ``(x, dst, idx, cs, n_pairs)``: x (N, H, D) K rows, dst (R, H, D) cache; token i
+    goes to dst[idx[i]], in order (the last duplicate wins). In parallel ``(x, dst, idx, keep, cs, n_pairs,
+    next_task, n_threads)``: only tokens with keep[i] (the last of their index) write."""
     if parallel:
         @numba.njit(parallel=True, **_EXACT)
         def drive(x, dst, idx, keep, cs, n_pairs, next_task, n_threads):
@@ -327,7 +327,7 @@ def _set_rows_driver(interleaved: bool, unit_stride: bool, parallel: bool):
                     task = fetch_add(next_task)
     else:
         @numba.njit(**_EXACT)
-        def drive(x, dst, idx, keep, cs, n_pairs):
+        def drive(x, dst, idx, cs, n_pairs):
             for i in range(x.shape[0]):
                 _set_row(x[i], dst[idx[i]], cs[i], n_pairs, interleaved, unit_stride)
     return drive
@@ -691,8 +691,7 @@ def _set_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, cache: RopeCache
     interleaved = params.mode == RopeMode.NORMAL if cache is None else cache.interleaved
     unit_stride = xk.strides[2] == xk.itemsize and dk.strides[2] == dk.itemsize
     if not parallel:
-        _set_rows_driver(interleaved, unit_stride, False)(xk, dk, idx, np.zeros(0, np.bool_), cache.cs,
-                                                          cache.n_pairs)
+        _set_rows_driver(interleaved, unit_stride, False)(xk, dk, idx, cache.cs, cache.n_pairs)
         return
     keep = np.zeros(n_tokens, np.bool_)
     if np.all(idx[1:] > idx[:-1]):  # the usual consecutive cache slots: no duplicates, no sort needed
