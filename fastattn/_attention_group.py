@@ -35,11 +35,17 @@ from numba import carray, types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
-from ._kernel import fast_exp, kernel, to_f32
+from ._kernel import fast_exp, kernel, prefetch, to_f32
 
 #: KV rows per block: 32 rows of K and of V (8-16 KiB each at D 128) stay in L1 across the group's head blocks.
 ROWS = 32
 NEG_INF = np.float32(-np.inf)
+#: Software prefetch distances: K rows this many bytes ahead of the rows being scored, V rows this many (at
+#: least the next block). With cold K/V the arithmetic of a block left too few misses in flight for the hardware
+#: prefetchers alone (decode Nkv 4096 float32, 1 thread: 5.0 -> 3.0-3.8 ms); the prefetches are spread over the
+#: dot products (a few per row pair), not issued as a burst per block, which had made the loop 15-30% slower.
+PREFETCH_K = 32768
+PREFETCH_V = 16384
 
 
 @intrinsic
@@ -247,6 +253,13 @@ def _axpy1(A, a0, DV, p0, vf, o1, vcs):
 
 
 @kernel(inline=True)
+def _prefetch_row(f, start, lines, step):
+    """Prefetch ``lines`` cache lines from flat offset ``start`` of ``f``, ``step`` elements apart."""
+    for i in range(lines):
+        prefetch(f, start + i * step)
+
+
+@kernel(inline=True)
 def _logit(dot, scale, softcap):
     x = np.float32(dot * scale)
     if softcap != 0.0:
@@ -301,6 +314,13 @@ def group_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs
     """
     G = qs.shape[0]
     DV = A.shape[0] // G
+    # software prefetch of rows adjacent in memory (column stride 1) PREFETCH_K / _V bytes ahead
+    k_step = 64 // kf.itemsize
+    v_step = 64 // vf.itemsize
+    k_lines = -(-qs.shape[1] // k_step) if kcs == 1 else 0
+    v_lines = -(-DV // v_step) if vcs == 1 else 0
+    k_ahead = max(ROWS, PREFETCH_K // (qs.shape[1] * kf.itemsize))
+    v_ahead = max(ROWS, PREFETCH_V // (DV * vf.itemsize))
     for jb in range(j0, j1, ROWS):
         n = min(ROWS, j1 - jb)
         # 1. mask terms (the scores start from them; without a mask the scores are assigned, not added)
@@ -321,6 +341,12 @@ def group_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs
                 while x + 1 < n_live:
                     r1 = rows[x]
                     r2 = rows[x + 1]
+                    if g == 0:
+                        # spread over the first head block's dot products (see PREFETCH_K)
+                        _prefetch_row(kf, kbase + (jb + k_ahead + r1) * krs, k_lines, k_step)
+                        _prefetch_row(kf, kbase + (jb + k_ahead + r2) * krs, k_lines, k_step)
+                        _prefetch_row(vf, vbase + (jb + v_ahead + r1) * vrs, v_lines, v_step)
+                        _prefetch_row(vf, vbase + (jb + v_ahead + r2) * vrs, v_lines, v_step)
                     s0, s1, s2, s3, t0, t1, t2, t3 = _dot4x2(qs, g, kf, kbase + (jb + r1) * krs,
                                                              kbase + (jb + r2) * krs, kcs)
                     _score(sc, g, r1, s0, scale, softcap, mf is None)
@@ -342,6 +368,9 @@ def group_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs
             else:
                 for x in range(n_live):
                     r1 = rows[x]
+                    if g == 0:
+                        _prefetch_row(kf, kbase + (jb + k_ahead + r1) * krs, k_lines, k_step)
+                        _prefetch_row(vf, vbase + (jb + v_ahead + r1) * vrs, v_lines, v_step)
                     _score(sc, g, r1, _dot1(qs, g, kf, kbase + (jb + r1) * krs, kcs), scale, softcap, mf is None)
             g += width
         # 3. per head: rescale to the new max, turn scores into weights

@@ -260,3 +260,24 @@ def call_any_layout(dispatcher, strided, *args):
         dispatcher.compile(signature)
         entry = _any_layout_entries[key] = dispatcher.overloads[signature].entry_point
     return entry(*args)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Memory: software prefetch for loops whose arithmetic hides too little of the memory latency.
+@intrinsic
+def prefetch(typingctx, arr, offset):
+    """Hint the CPU to bring the cache line holding element ``offset`` of the 1-D array ``arr`` into L1
+    (``prefetcht0``). Never faults, so the offset may run past the end of the array."""
+    if not (isinstance(arr, types.Array) and isinstance(offset, types.Integer)):
+        raise TypingError("prefetch: expected an array and an integer offset")
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        address = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(
+            ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]))
+        builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(arr, offset), codegen
