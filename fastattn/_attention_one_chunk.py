@@ -3,9 +3,10 @@
 Work unit: (batch b, KV head, a chunk of ``ROW_CHUNK`` query rows). For each query row of the unit, the query
 heads of the KV head's GQA group run together over all Nkv rows (``_attention_group.group_rows``: each K/V row is
 read once for the whole group; rows masked ``-inf`` for every head are skipped without their dot product), then
-each head is normalised with its sink into ``out[b, i, h]``. Units are independent, so the ``prange`` driver runs
-them in any order with private scratch; the serial driver runs the same units in a loop (small work: a parallel
-launch costs more than it saves, see ``_threads``).
+each head is normalised with its sink into ``out[b, i, h]``. Units are independent, so the parallel driver's
+threads take them in any order from a shared counter (``_kernel.fetch_add``), with private scratch; the serial
+driver runs the same units in a loop (small work: a parallel launch costs more than it saves, see ``_threads``).
+A unit's result does not depend on the thread that runs it: the output is the same for any thread count.
 
 Arrays are read flat (``_attention_group.flat4``): nothing is copied but the group's query rows (G x DK floats).
 """
@@ -17,7 +18,7 @@ from numba import prange
 from . import _threads
 from ._attention_group import (ROWS, element_strides, finalize, flat4, flat_mask, group_rows,
                                load_group_queries)
-from ._kernel import call_any_layout, kernel
+from ._kernel import call_any_layout, fetch_add, kernel
 
 #: Query rows per work unit: enough units to balance two threads at small Nq, few enough to amortise the scratch.
 ROW_CHUNK = 4
@@ -72,10 +73,15 @@ def _serial(q, k, v, mask, slopes, sinks, scale, softcap, out):
 
 
 @kernel(parallel=True)
-def _parallel(q, k, v, mask, slopes, sinks, scale, softcap, out):
+def _parallel(q, k, v, mask, slopes, sinks, scale, softcap, out, next_unit, n_threads):
     n_units = q.shape[0] * k.shape[1] * ((q.shape[2] + ROW_CHUNK - 1) // ROW_CHUNK)
-    for u in prange(n_units):
-        _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, u)
+    # one iteration per thread, each taking units from the shared counter: decode has few units (one per KV
+    # head), and a static split leaves a thread whose core is busy elsewhere deciding the time
+    for _ in prange(n_threads):
+        u = fetch_add(next_unit)
+        while u < n_units:
+            _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, u)
+            u = fetch_add(next_unit)
 
 
 def run_one_chunk(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
@@ -90,7 +96,11 @@ def run_one_chunk(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     sinks = np.ascontiguousarray(sinks)  # Hq floats: contiguous keeps one specialisation
     # Each query row streams the whole K and V of its KV head (from cache after the first rows).
     nbytes = B * Nq * Hkv * Nkv * (DK * k.itemsize + DV * v.itemsize)
-    driver = _parallel if _threads.threads_for(nbytes) > 1 else _serial
-    call_any_layout(driver, STRIDED, element_strides(q), element_strides(k), element_strides(v),
-                    None if mask is None else element_strides(mask), slopes, sinks, np.float32(scale),
-                    np.float32(softcap), out)
+    n_threads = _threads.threads_for(nbytes)
+    args = (element_strides(q), element_strides(k), element_strides(v),
+            None if mask is None else element_strides(mask), slopes, sinks, np.float32(scale), np.float32(softcap),
+            out)
+    if n_threads > 1:
+        call_any_layout(_parallel, STRIDED, *args, np.zeros(1, np.int64), n_threads)
+    else:
+        call_any_layout(_serial, STRIDED, *args)

@@ -13,7 +13,8 @@ computes the ALiBi slopes, allocates ``out`` when needed, and hands everything t
 - ``tiled`` (``_attention_tiled``): Q tiles x KV tiles, for prefill;
 - ``split_kv`` (``_attention_split_kv``): decode, KV chunks reduced in a fixed order (thread-count independent).
 
-``auto`` follows ggml (see ``choose_path`` and docs/attention.md for where and why it differs).
+``auto`` follows ggml, except that decode keeps one_chunk while there are enough KV heads to fill the threads
+(see ``choose_path`` and docs/attention.md for why).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import functools
 
 import numpy as np
 
+from . import _threads
 from ._args import attention as _args
 from ._attention_one_chunk import run_one_chunk
 from ._attention_split_kv import run_split_kv
@@ -29,15 +31,21 @@ from ._kernel import FLOAT16, FLOAT32, kernel_view
 
 #: Nkv from which ``auto`` takes split_kv for decode (ggml's threshold).
 SPLIT_KV_MIN_NKV = 512
+#: ``auto`` keeps one_chunk for decode when there are at least this many (batch, KV head) units per thread:
+#: measured at 8 KV heads on 2 threads, one_chunk ran 3-21% faster than split_kv in paired runs (docs/attention.md).
+ONE_CHUNK_MIN_UNITS_PER_THREAD = 4
 
 
-def choose_path(B: int, Nq: int, Nkv: int, k_dtype: np.dtype, v_dtype: np.dtype) -> str:
-    """The path ``auto`` takes for these sizes and K/V dtypes.
+def choose_path(B: int, Nq: int, Hkv: int, Nkv: int, k_dtype: np.dtype, v_dtype: np.dtype,
+                n_threads: int = 1) -> str:
+    """The path ``auto`` takes for these sizes, K/V dtypes and thread count.
 
-    split_kv for decode (Nq == 1, B == 1, K and V both float32 or both float16, Nkv >= SPLIT_KV_MIN_NKV); tiled
-    when Nq reaches the tiled path's Q tile; one_chunk otherwise.
+    split_kv for decode (Nq == 1, B == 1, K and V both float32 or both float16, Nkv >= SPLIT_KV_MIN_NKV: ggml's
+    rule) when the (batch, KV head) units are too few to keep the threads busy (fewer than
+    ONE_CHUNK_MIN_UNITS_PER_THREAD per thread); tiled when Nq reaches the tiled path's Q tile; one_chunk otherwise.
     """
-    if Nq == 1 and B == 1 and k_dtype == v_dtype and k_dtype in (FLOAT32, FLOAT16) and Nkv >= SPLIT_KV_MIN_NKV:
+    if (Nq == 1 and B == 1 and k_dtype == v_dtype and k_dtype in (FLOAT32, FLOAT16) and Nkv >= SPLIT_KV_MIN_NKV
+            and B * Hkv < ONE_CHUNK_MIN_UNITS_PER_THREAD * n_threads):
         return "split_kv"
     if Nq >= Q_TILE:
         return "tiled"
@@ -75,7 +83,10 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     a = _args.parse(q, k, v, mask, scale, max_bias, logit_softcap, sinks, path, out, out_dtypes=(FLOAT32,))
     B, Hq, Nq, _ = q.shape
     Nkv = k.shape[2]
-    name = choose_path(B, Nq, Nkv, k.dtype, v.dtype) if a.path == "auto" else a.path
+    if a.path == "auto":
+        name = choose_path(B, Nq, k.shape[1], Nkv, k.dtype, v.dtype, _threads.get_num_threads())
+    else:
+        name = a.path
     run = _runner(name)
     if name == "split_kv" and Nq != 1:
         raise ValueError(f"path 'split_kv' is for decode: q must have Nq = 1 query row, got q.shape {q.shape}")
