@@ -229,10 +229,11 @@ def fetch_add(typingctx, counter):
 # Layouts: one compiled variant for contiguous and strided inputs, and unit-stride rows that still vectorise.
 @intrinsic
 def assume_contiguous(typingctx, row):
-    """Retype a 1-D any-layout array whose stride is its itemsize as C-contiguous (same data model, nothing
-    copied), so LLVM sees unit stride and vectorises loops over it. The caller checks the stride."""
-    if not (isinstance(row, types.Array) and row.ndim == 1):
-        raise TypingError("assume_contiguous: expected a 1-D array")
+    """Retype an any-layout array that is C-contiguous in fact (a 1-D row whose stride is its itemsize, or a 2-D
+    block of adjacent rows) as C-contiguous (same data model, nothing copied), so LLVM sees unit stride and
+    vectorises loops over it. The caller checks the strides."""
+    if not isinstance(row, types.Array):
+        raise TypingError("assume_contiguous: expected an array")
 
     def codegen(context, builder, signature, args):
         return impl_ret_borrowed(context, builder, signature.return_type, args[0])

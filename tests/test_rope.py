@@ -634,3 +634,45 @@ def test_parallel_rope_set_rows_last_duplicate_wins(idx_kind):
         fastattn.rope_set_rows(cache, x, pos, idx, n_dims=16, mode=fastattn.ROPE_NEOX)
     expected = ref.rope_set_rows(np.zeros((50, 32), np.float16), x, pos, idx, n_dims=16, mode=fastattn.ROPE_NEOX)
     assert np.max(ulp_distance(cache, expected)) <= 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The three row layouts (fastattn.rope.token_layout) run different loops over the same arithmetic: same bytes.
+def _layout_views(rng, shape, dtype):
+    """The same values as a contiguous array, unit-stride rows with gaps between heads, and strided rows."""
+    n, h, d = shape
+    values = rng.standard_normal(shape).astype(dtype)
+    gapped = np.zeros((n, h, d + 8), dtype)[:, :, 3:3 + d]
+    stepped = np.zeros((n, h, 2 * d), dtype)[:, :, ::2]
+    gapped[...] = values
+    stepped[...] = values
+    return {fastattn.rope.TOKEN_BLOCK: values, fastattn.rope.ROWS_UNIT: gapped, fastattn.rope.ROWS_STRIDED: stepped}
+
+
+@pytest.mark.parametrize("mode,dtype,threads", [(fastattn.ROPE_NEOX, FLOAT32, 2), (fastattn.ROPE_NORMAL, FLOAT16, 1)])
+def test_every_row_layout_gives_the_same_bytes(mode, dtype, threads):
+    """(Two cases only: each compiles about twenty kernels.)"""
+    shape = (160, 16, 72) if threads == 2 else (9, 3, 72)  # 2 x 1.4 MiB float32: the parallel drivers at 2
+    pos = np.arange(shape[0], dtype=np.int32) * 3 - 5
+    kwargs = dict(n_dims=48, mode=mode, freq_base=10000.0)  # partial rotation: the tail is copied or left
+    views = _layout_views(np.random.default_rng(11), shape, dtype)
+    outs = _layout_views(np.random.default_rng(12), shape, dtype)
+    in_places = _layout_views(np.random.default_rng(11), shape, dtype)  # the same values as views
+    results = {}
+    with fastattn.num_threads(threads):
+        for layout, x in views.items():
+            out = outs[layout]
+            assert fastattn.rope.token_layout(x, out) == layout
+            fastattn.rope_ext(x, pos, **kwargs, out=out)
+            in_place = in_places[layout]
+            fastattn.rope_ext(in_place, pos, **kwargs, out=in_place)
+            results[layout] = (np.array(out), np.array(in_place))
+            cache = np.zeros((shape[0] + 4, shape[1], shape[2]), np.float16)
+            fastattn.rope_set_rows(cache, x, pos, np.arange(shape[0]) + 2, **kwargs)
+            results[layout] += (cache.copy(),)
+    want = results[fastattn.rope.TOKEN_BLOCK]
+    x = views[fastattn.rope.TOKEN_BLOCK]
+    assert_rope_close(want[0], ref.rope_ext(x, pos, **kwargs, out=np.empty(shape)), x, pos, kwargs, what="block")
+    for layout, got in results.items():
+        for a, b in zip(want, got):
+            assert a.tobytes() == b.tobytes(), layout
