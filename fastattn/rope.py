@@ -408,6 +408,31 @@ def _fused_set_rows_driver(interleaved: bool, layout: int):
     return drive
 
 
+@functools.cache
+def _fused_rope_driver(interleaved: bool, in_place: bool, layout: int):
+    """rope_ext on threads, the cos/sin made inside the same pass: ``(x, out, pos, streams, w, step_cos, step_sin,
+    cos_scale, sin_scale, next_task, n_threads)``, x and out (B, N, H, D). A task is one CACHE_BLOCK of tokens:
+    its cos/sin go to the thread's scratch (the values ``rope_cache`` would store: same blocks, same code), then
+    its rows are rotated while the scratch is in L1."""
+    @numba.njit(parallel=True, **_EXACT)
+    def drive(x, out, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, next_task, n_threads):
+        n_tokens = x.shape[1]
+        n_pairs = w.shape[0]
+        n_tasks = (n_tokens + CACHE_BLOCK - 1) // CACHE_BLOCK
+        for _ in prange(n_threads):
+            cs = np.empty((CACHE_BLOCK, 2 * n_pairs), np.float32)
+            task = fetch_add(next_task)
+            while task < n_tasks:
+                n0 = task * CACHE_BLOCK
+                n1 = min(n_tokens, n0 + CACHE_BLOCK)
+                _cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, n0, n1)
+                for n in range(n0, n1):
+                    for b in range(x.shape[0]):
+                        _rope_block(x[b, n], out[b, n], cs[n - n0], n_pairs, interleaved, in_place, layout)
+                task = fetch_add(next_task)
+    return drive
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Per-pair tables: which stream each pair reads and its float64 angle factor. Position-independent: memoised.
 def _c_max(a, b):
@@ -665,6 +690,21 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
     out = _args.parse_out(out, x, dtypes=(x.dtype,))
     if out is x and not x.flags.writeable:
         raise ValueError("out (x, in place) must be writeable")
+    nbytes = 2 * x.nbytes
+    if nbytes >= _threads.PARALLEL_MIN_BYTES and x.shape[-3] >= 2 * CACHE_BLOCK:
+        n_threads = _threads.threads_for(nbytes)
+        result = np.empty(x.shape, x.dtype) if out is None else out
+        x4 = _as_4d(x)
+        out4 = _as_4d(result)
+        if n_threads > 1 and x4 is not None and out4 is not None:  # one pass: cos/sin made per block of tokens
+            xk = kernel_view(x4)
+            ok = xk if out is x else kernel_view(out4)
+            table = _pair_table(params)
+            _fused_rope_driver(params.mode == RopeMode.NORMAL, out is x, token_layout(xk, ok))(
+                xk, ok, pos, table.streams, table.w, table.step_cos, table.step_sin, table.cos_scale,
+                table.sin_scale, np.zeros(1, np.int64), n_threads)
+            return result
+        out = result
     return apply_rope_cache(x, _build_cache(pos, params), out=out)
 
 

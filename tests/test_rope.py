@@ -623,6 +623,31 @@ def test_rope_set_rows_makes_the_prebuilt_caches_values(streams, threads):
     assert np.max(ulp_distance(fused, expected)) <= 1
 
 
+@pytest.mark.parametrize("streams,dtype,in_place", [(1, FLOAT32, False), (4, FLOAT16, True)])
+def test_parallel_rope_ext_makes_the_prebuilt_caches_values(streams, dtype, in_place):
+    """On threads rope_ext makes cos/sin block by block inside its pass: the bytes are those of
+    apply_rope_cache with a prebuilt cache, over several blocks, a jump in the positions and two batch rows."""
+    rng = np.random.default_rng(10)
+    n = 3 * CACHE_BLOCK + 5
+    pos = np.tile(np.arange(n, dtype=np.int32) + 1000, (streams, 1))
+    pos[:, 100:] += 17
+    x = rng.standard_normal((2, n, 16, 64)).astype(dtype)  # 2 x 1.6 MiB float32: the parallel path at 2 threads
+    kwargs = dict(n_dims=64, mode=fastattn.ROPE_NEOX if streams == 1 else fastattn.ROPE_MROPE,
+                  sections=None if streams == 1 else [8, 12, 12, 0])
+    positions_arg = pos[0] if streams == 1 else pos
+    if _threads.max_threads() < 2:
+        pytest.skip("needs 2 threads")
+    with fastattn.num_threads(2):
+        assert _threads.threads_for(2 * x.nbytes) == 2
+        if in_place:
+            fused = x.copy()
+            fastattn.rope_ext(fused, positions_arg, **kwargs, out=fused)
+        else:
+            fused = fastattn.rope_ext(x, positions_arg, **kwargs)
+        prebuilt = fastattn.apply_rope_cache(x, fastattn.rope_cache(positions_arg, **kwargs))
+    assert fused.tobytes() == prebuilt.tobytes()
+
+
 @pytest.mark.parametrize("idx_kind", ["increasing", "duplicates"])
 def test_parallel_rope_set_rows_last_duplicate_wins(idx_kind):
     rng = np.random.default_rng(8)
