@@ -48,7 +48,7 @@ from numba.extending import overload
 
 from . import _threads
 from ._args import rope as _args
-from ._kernel import KERNEL_OPTIONS, assume_contiguous, fetch_add, from_f32, kernel_view, to_f32
+from ._kernel import KERNEL_OPTIONS, assume_contiguous, fetch_add, from_f32, kernel_view, prefetch, to_f32
 from ._modes import RopeMode
 from ._validate import FLOAT16, FLOAT32, STORAGE_FLOATS
 
@@ -356,7 +356,25 @@ def _rope_driver(interleaved: bool, in_place: bool, layout: int, parallel: bool)
 def _rope_token(x, out, n, cs, n_pairs, interleaved, in_place, layout):
     cache_row = cs[n]
     for b in range(x.shape[0]):
+        _prefetch_next_token(x[b], n, layout)
         _rope_block(x[b, n], out[b, n], cache_row, n_pairs, interleaved, in_place, layout)
+
+
+#: Cache lines of the next token's x asked for (``prefetcht0``) before a token is rotated: 1 KiB.
+PREFETCH_LINES = 16
+
+
+@numba.njit(**_INLINE)
+def _prefetch_next_token(tokens, n, layout):
+    """Start fetching the first lines of token n + 1's (H, D) block of ``tokens`` (N, H, D) while token n is
+    rotated. When tokens lie
+    apart (Q of a fused QKV buffer: 16 KiB runs 32 KiB apart), the hardware prefetchers start over at every
+    run, and the first lines of each come at full miss latency: in place, Q of (512, 32, 128) in a fused
+    buffer took 1.14-1.36x a contiguous x at 1 and 2 threads, 1.00-1.15x with this (paired runs)."""
+    if layout == TOKEN_BLOCK and n + 1 < tokens.shape[0]:
+        first_row = tokens[n + 1, 0]
+        for line in range(PREFETCH_LINES):
+            prefetch(first_row, line * (64 // tokens.itemsize))
 
 
 @functools.cache
@@ -373,12 +391,14 @@ def _set_rows_driver(interleaved: bool, layout: int, parallel: bool):
                 while task < n_tasks:
                     for i in range(task * TOKENS_PER_TASK, min(x.shape[0], (task + 1) * TOKENS_PER_TASK)):
                         if keep[i]:
+                            _prefetch_next_token(x, i, layout)
                             _rope_block(x[i], dst[idx[i]], cs[i], n_pairs, interleaved, False, layout)
                     task = fetch_add(next_task)
     else:
         @numba.njit(**_EXACT)
         def drive(x, dst, idx, cs, n_pairs):
             for i in range(x.shape[0]):
+                _prefetch_next_token(x, i, layout)
                 _rope_block(x[i], dst[idx[i]], cs[i], n_pairs, interleaved, False, layout)
     return drive
 
@@ -403,6 +423,7 @@ def _fused_set_rows_driver(interleaved: bool, layout: int):
                 _cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, n0, n1)
                 for i in range(n0, n1):
                     if keep[i]:
+                        _prefetch_next_token(x, i, layout)
                         _rope_block(x[i], dst[idx[i]], cs[i - n0], n_pairs, interleaved, False, layout)
                 task = fetch_add(next_task)
     return drive
@@ -428,6 +449,7 @@ def _fused_rope_driver(interleaved: bool, in_place: bool, layout: int):
                 _cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, n0, n1)
                 for n in range(n0, n1):
                     for b in range(x.shape[0]):
+                        _prefetch_next_token(x[b], n, layout)
                         _rope_block(x[b, n], out[b, n], cs[n - n0], n_pairs, interleaved, in_place, layout)
                 task = fetch_add(next_task)
     return drive
