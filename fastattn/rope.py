@@ -33,6 +33,10 @@ otherwise looped over. float16 travels as uint16 bits (``_kernel.kernel_view``).
 ``rope_set_rows`` is the same rotation with the output row of token i being ``dst[idx[i]]`` in the cache's dtype
 (float32, float16 or bfloat16, round to nearest even); on several threads, only the last of duplicate indices
 is written, so the last row wins as in ggml.
+
+Decode-sized calls with a prebuilt cache (``apply_rope_cache`` on 3-D x, ``apply_rope_cache_set_rows`` into a 2-D
+cache) take the fast path of ``_dispatch``: ``_rope_fast``'s / ``_rope_set_rows_fast``'s entry point, with the
+checks in the kernel, and the general path when it declines.
 """
 from __future__ import annotations
 
@@ -43,14 +47,17 @@ from decimal import Decimal, getcontext
 
 import numba
 import numpy as np
-from numba import prange
+from numba import prange, types
 from numba.extending import overload
 
 from . import _threads
+from ._dispatch import FastPath, aligned, array_type, meta, overlaps, same_view, unit_rows
 from ._args import rope as _args
 from ._kernel import KERNEL_OPTIONS, assume_contiguous, fetch_add, from_f32, kernel_view, prefetch, to_f32
 from ._modes import RopeMode
-from ._validate import FLOAT16, FLOAT32, STORAGE_FLOATS
+from ._validate import FLOAT32, STORAGE_FLOATS
+
+_ND = np.ndarray
 
 # ---------------------------------------------------------------------------------------------------------------
 # float64 sin/cos that vectorise: Cody-Waite reduction by pi/2 split in three parts. The first two parts carry
@@ -320,20 +327,14 @@ def _rope_head(src, dst, cache_row, n_pairs, interleaved, in_place, unit_stride)
 #: a thread slowed down by another process runs fewer of them. 8 tokens x 32 heads x 128 dims is ~32 KiB of x.
 TOKENS_PER_TASK = 8
 
-#: (interleaved, in_place, layout, parallel) -> driver, filled by _rope_driver (a plain dict: the lean
-#: decode path looks it up without functools' call overhead)
-_DRIVERS: dict = {}
 
-
+@functools.cache
 def _rope_driver(interleaved: bool, in_place: bool, layout: int, parallel: bool):
     """The kernel ``(x, out, cs, n_pairs)`` for one combination of flags (made once). The flags are closure
     constants, so each driver keeps only its own loop: with them as run-time arguments, or with a per-row stride
     test, the NEOX out-of-place loop ran 1.25-1.7x slower. x, out: (B, N, H, D) of one dtype (out may be x); cs:
     (N, 2·n_pairs) float32, cos then sin. In parallel, ``(next_task, n_threads)`` follow: a zeroed int64 counter
     and the thread count; the threads take tasks of TOKENS_PER_TASK tokens from the counter."""
-    key = (interleaved, in_place, layout, parallel)
-    if key in _DRIVERS:
-        return _DRIVERS[key]
     if parallel:
         @numba.njit(parallel=True, **_EXACT)
         def drive(x, out, cs, n_pairs, next_task, n_threads):
@@ -349,7 +350,7 @@ def _rope_driver(interleaved: bool, in_place: bool, layout: int, parallel: bool)
         def drive(x, out, cs, n_pairs):
             for n in range(x.shape[1]):
                 _rope_token(x, out, n, cs, n_pairs, interleaved, in_place, layout)
-    return _DRIVERS.setdefault(key, drive)
+    return drive
 
 
 @numba.njit(**_INLINE)
@@ -542,6 +543,104 @@ def _pair_table(p: _args.RopeParams) -> _PairTable:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Decode fast paths (``_dispatch``): compiled entry points called without Numba's dispatcher, the checks inside.
+@numba.njit(**_EXACT)
+def _fits_cache(n, d, cs, min_head_dim, exact_head_dim):
+    """n tokens of head dim d fit the cache: one cs row per token, d >= min_head_dim (== when exact), and cs
+    has aligned unit-stride rows."""
+    return (n == cs.shape[0] and d >= min_head_dim and not (exact_head_dim and d != min_head_dim)
+            and unit_rows(meta(cs)))
+
+
+@numba.njit(**_EXACT)
+def _rope_fast(x, out, cs, n_pairs, interleaved, min_head_dim, exact_head_dim, max_bytes):
+    """``apply_rope_cache`` for x and out (N, H, D) of one dtype and a cache's ``cs``. Returns False, having
+    written nothing, unless out has x's shape, x fits the cache, fewer than ``max_bytes`` move, x and out have
+    aligned unit-stride rows and out is x or overlaps nothing of it."""
+    n, h, d = x.shape
+    if out.shape != x.shape or 2 * x.size * x.itemsize >= max_bytes:
+        return False
+    if not _fits_cache(n, d, cs, min_head_dim, exact_head_dim):
+        return False
+    mx, mo = meta(x), meta(out)
+    in_place = same_view(mo, mx)
+    if not (unit_rows(mx) and unit_rows(mo)) or (overlaps(mo, mx) and not in_place):
+        return False
+    # one loop per (pairing, in place), each with constant flags: with the flags tested inside, twice the time
+    if interleaved:
+        if in_place:
+            _rope_tokens(x, out, cs, n_pairs, True, True)
+        else:
+            _rope_tokens(x, out, cs, n_pairs, True, False)
+    elif in_place:
+        _rope_tokens(x, out, cs, n_pairs, False, True)
+    else:
+        _rope_tokens(x, out, cs, n_pairs, False, False)
+    return True
+
+
+@numba.njit(**_INLINE)
+def _rope_tokens(x, out, cs, n_pairs, interleaved, in_place):
+    for i in range(x.shape[0]):
+        _rope_block(x[i], out[i], assume_contiguous(cs[i]), n_pairs, interleaved, in_place, ROWS_UNIT)
+
+
+@numba.njit(**_EXACT)
+def _rope_set_rows_fast(dst, x, idx, cs, n_pairs, interleaved, min_head_dim, exact_head_dim, max_bytes):
+    """``apply_rope_cache_set_rows`` for dst (R, H·D), x (n, H, D), idx (n,). Returns False, having written
+    nothing, unless the shapes match, x fits the cache, fewer than ``max_bytes`` move, dst and x have aligned
+    unit-stride rows, idx is aligned, dst overlaps neither x nor idx and every index is in [0, R). Tokens are
+    written in order: the last of duplicate indices wins."""
+    n, h, d = x.shape
+    n_rows = dst.shape[0]
+    if idx.shape[0] != n or dst.shape[1] != h * d or x.size * (x.itemsize + dst.itemsize) >= max_bytes:
+        return False
+    if not _fits_cache(n, d, cs, min_head_dim, exact_head_dim):
+        return False
+    md, mx, mi = meta(dst), meta(x), meta(idx)
+    if not (unit_rows(md) and unit_rows(mx) and aligned(mi)) or overlaps(md, mx) or overlaps(md, mi):
+        return False
+    for i in range(n):
+        if idx[i] < 0 or idx[i] >= n_rows:
+            return False
+    if interleaved:  # constant flags in each loop (see _rope_fast)
+        _rope_rows_to_cache(dst, x, idx, cs, n_pairs, True)
+    else:
+        _rope_rows_to_cache(dst, x, idx, cs, n_pairs, False)
+    return True
+
+
+@numba.njit(**_INLINE)
+def _rope_rows_to_cache(dst, x, idx, cs, n_pairs, interleaved):
+    for i in range(x.shape[0]):
+        block = assume_contiguous(dst[idx[i]]).reshape((x.shape[1], x.shape[2]))  # the cache row as (H, D)
+        _rope_block(x[i], block, assume_contiguous(cs[i]), n_pairs, interleaved, False, ROWS_UNIT)
+
+
+_CACHE_ARGS = (types.int64, types.boolean, types.int64, types.boolean, types.int64)
+#: entry points of ``_rope_fast``, keyed on x.dtype
+_fast = FastPath(_rope_fast)
+#: entry points of ``_rope_set_rows_fast``, keyed on (dst.dtype, x.dtype, idx.dtype)
+_fast_set_rows = FastPath(_rope_set_rows_fast)
+
+
+def _add_fast(x: np.ndarray) -> None:
+    """After a decode-sized 3-D call was accepted: ``_rope_fast``'s entry point for x's dtype, for next time."""
+    if 2 * x.nbytes < _threads.PARALLEL_MIN_BYTES and _fast.get(x.dtype) is None:
+        x_type = array_type(x.dtype, 3)
+        _fast.add(x.dtype, (x_type, x_type, array_type(FLOAT32, 2)) + _CACHE_ARGS)
+
+
+def _add_fast_set_rows(dst: np.ndarray, x: np.ndarray, idx: np.ndarray) -> None:
+    """After a decode-sized call with a 2-D dst was accepted: its ``_rope_set_rows_fast`` entry point."""
+    if dst.ndim == 2 and idx.ndim == 1 and x.size * (x.itemsize + dst.itemsize) < _threads.PARALLEL_MIN_BYTES:
+        key = (dst.dtype, x.dtype, idx.dtype)
+        if _fast_set_rows.get(key) is None:
+            _fast_set_rows.add(key, (array_type(dst.dtype, 2), array_type(x.dtype, 3), array_type(idx.dtype, 1),
+                                     array_type(FLOAT32, 2)) + _CACHE_ARGS)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Public API.
 @dataclass(frozen=True, eq=False)
 class RopeCache:
@@ -639,43 +738,14 @@ def apply_rope_cache(x: np.ndarray, cache: RopeCache, *, out: np.ndarray | None 
     or an array of ``x``'s shape and dtype, possibly strided. Returns the array written."""
     if type(cache) is not RopeCache:
         raise TypeError(f"cache must be a RopeCache from fastattn.rope_cache, got {type(cache).__name__}")
-    # A lean path for the common call, (N, H, D) float32/float16 with out None, x, or a fresh array like x: a
-    # decode step makes it twice per layer and the full checks below cost more than the rotation. The same
-    # checks, in a cheaper order; anything unusual (and every error) takes the full path.
-    if type(x) is np.ndarray and x.ndim == 3:
-        dtype = x.dtype
-        n, _, d = x.shape
-        if ((dtype is FLOAT32 or dtype is FLOAT16) and n == cache.n_tokens
-                and (d == cache.min_head_dim or (d > cache.min_head_dim and not cache.exact_head_dim))
-                and (out is None
-                     or (out is x and x.flags.writeable)
-                     or (type(out) is np.ndarray and out.dtype is dtype and out.shape == x.shape
-                         and out.flags.writeable and not np.may_share_memory(out, x)))):
-            in_place = out is x
-            if out is None:
-                out = np.empty_like(x, order="C")
-            if dtype is FLOAT16:
-                xk = x.view(np.uint16)[None]
-                ok = xk if in_place else out.view(np.uint16)[None]
-            else:
-                xk = x[None]
-                ok = xk if in_place else out[None]
-            nbytes = 2 * x.nbytes
-            if nbytes >= _threads.PARALLEL_MIN_BYTES and n > 1:
-                _run(xk, ok, cache, in_place, nbytes)
-                return out
-            itemsize = x.itemsize
-            xs = x.strides
-            os = out.strides
-            if xs[2] != itemsize or os[2] != itemsize:
-                layout = ROWS_STRIDED
-            else:
-                layout = TOKEN_BLOCK if xs[1] == d * itemsize and os[1] == d * itemsize else ROWS_UNIT
-            driver = _DRIVERS.get((cache.interleaved, in_place, layout, False))
-            if driver is None:
-                driver = _rope_driver(cache.interleaved, in_place, layout, False)
-            driver(xk, ok, cache.cs, cache.n_pairs)
-            return out
+    if x.__class__ is _ND and x.ndim == 3 and (out is None or (out.__class__ is _ND and out.ndim == 3
+                                                           and out.dtype is x.dtype and out.flags.writeable)):
+        entry = _fast.get(x.dtype)  # the decode fast path (see _dispatch)
+        if entry is not None:
+            y = np.empty(x.shape, x.dtype) if out is None else out
+            if entry(x, y, cache.cs, cache.n_pairs, cache.interleaved, cache.min_head_dim, cache.exact_head_dim,
+                     _threads.PARALLEL_MIN_BYTES):
+                return y
     _args.parse_x(x)
     shape = x.shape
     cache.params.check_head_dim("x", shape[-1])
@@ -688,6 +758,8 @@ def apply_rope_cache(x: np.ndarray, cache: RopeCache, *, out: np.ndarray | None 
     elif not x.flags.writeable:
         raise ValueError("out (x, in place) must be writeable")
     _apply(x, out, cache)
+    if x.ndim == 3:
+        _add_fast(x)
     return out
 
 
@@ -751,37 +823,24 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
     return dst
 
 
-_DST_DTYPES = frozenset(STORAGE_FLOATS)
-_IDX_DTYPES = frozenset((np.dtype(np.int32), np.dtype(np.int64)))
-
 
 def apply_rope_cache_set_rows(dst: np.ndarray, x: np.ndarray, cache: RopeCache, idx: np.ndarray) -> np.ndarray:
     """``rope_set_rows`` with a prebuilt ``cache`` (the one a decode step builds once for Q and K): rotate K rows
     ``x`` (N, H, D) and write them into rows ``idx`` of ``dst`` ((R, H, D) or (R, H·D)). Returns ``dst``."""
     if type(cache) is not RopeCache:
         raise TypeError(f"cache must be a RopeCache from fastattn.rope_cache, got {type(cache).__name__}")
-    # Lean path for a decode step's few K rows into a 3-D cache: parse_set_rows' checks in a cheaper order (they
-    # cost more than the write). Anything unusual, and every error, takes the full path.
-    if (type(x) is np.ndarray and type(dst) is np.ndarray and type(idx) is np.ndarray and x.ndim == 3
-            and idx.ndim == 1 and 0 < x.shape[0] <= 16):
-        n, h, d = x.shape
-        dst3 = dst
-        if dst.ndim == 2 and dst.shape[1] == h * d and dst.strides[1] == dst.itemsize:
-            dst3 = dst.reshape(dst.shape[0], h, d)  # a contiguous row axis splits without a copy
-        if (dst3.ndim == 3 and (x.dtype is FLOAT32 or x.dtype is FLOAT16) and dst.dtype in _DST_DTYPES
-                and idx.dtype in _IDX_DTYPES and n == cache.n_tokens and idx.shape[0] == n
-                and dst3.shape[1] == h and dst3.shape[2] == d
-                and (d == cache.min_head_dim or (d > cache.min_head_dim and not cache.exact_head_dim))
-                and dst.flags.writeable and not np.may_share_memory(dst, x)):
-            rows = idx.tolist()
-            if min(rows) >= 0 and max(rows) < dst.shape[0]:
-                _set_rows(dst3, x, idx, cache)
-                return dst
+    if (x.__class__ is _ND and dst.__class__ is _ND and idx.__class__ is _ND and x.ndim == 3 and dst.ndim == 2
+            and idx.ndim == 1 and dst.flags.writeable):
+        entry = _fast_set_rows.get((dst.dtype, x.dtype, idx.dtype))  # the decode fast path (see _dispatch)
+        if entry is not None and entry(dst, x, idx, cache.cs, cache.n_pairs, cache.interleaved, cache.min_head_dim,
+                                       cache.exact_head_dim, _threads.PARALLEL_MIN_BYTES):
+            return dst
     dst3, idx = _args.parse_set_rows(dst, x, idx, cache.params, dst_dtypes=STORAGE_FLOATS)
     if x.shape[0] != cache.n_tokens:
         raise ValueError(f"x must have one token per cached position: {cache.n_tokens}, got {x.shape[0]}")
     if x.shape[0]:
         _set_rows(dst3, x, idx, cache)
+        _add_fast_set_rows(dst, x, idx)
     return dst
 
 

@@ -701,3 +701,126 @@ def test_every_row_layout_gives_the_same_bytes(mode, dtype, threads):
     for layout, got in results.items():
         for a, b in zip(want, got):
             assert a.tobytes() == b.tobytes(), layout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The decode fast paths (fastattn/_dispatch.py) of apply_rope_cache (3-D x) and apply_rope_cache_set_rows (2-D dst):
+# taken once the general path has recorded their dtypes; everything else, and every bad input, goes on to the
+# general path, which must then behave as if it ran alone.
+_rope_module = fastattn.rope
+
+
+def _general_only(mp):
+    """From now on every call misses the fast paths."""
+    mp.setattr(_rope_module._fast, "get", lambda key: None)
+    mp.setattr(_rope_module._fast_set_rows, "get", lambda key: None)
+
+
+def _warm_fast_paths(x_dtype, dst_dtype=FLOAT16, idx_dtype=np.dtype(np.int64)):
+    """One small general-path call per op records the entry points for these dtypes."""
+    x = np.ones((1, 2, 8), x_dtype)
+    cache = fastattn.rope_cache(np.zeros(1, np.int32), n_dims=8, mode=fastattn.ROPE_NEOX)
+    fastattn.apply_rope_cache(x, cache)
+    fastattn.apply_rope_cache_set_rows(np.zeros((2, 16), dst_dtype), x, cache, np.zeros(1, idx_dtype))
+
+
+@given(data=st.data(), config=rope_configs(), dtype=st.sampled_from((FLOAT32, FLOAT16)), n=st.integers(1, 3),
+       h=st.integers(1, 4), where=st.sampled_from(("new", "view", "in_place")), seed=st.integers(0, 2**16))
+def test_rope_fast_path_gives_the_general_paths_bytes(data, config, dtype, n, h, where, seed):
+    kwargs, d, streams = config
+    _warm_fast_paths(dtype)
+    x = data.draw(strided((n, h, d), dtype))
+    out = data.draw(strided((n, h, d), dtype)) if where == "view" else None
+    cache = fastattn.rope_cache(positions(streams, n, np.random.default_rng(seed), "large"), **kwargs)
+    fast_x, general_x = x.array, x.array.copy()
+    fast_out = {"new": None, "view": None if out is None else out.array, "in_place": fast_x}[where]
+    general_out = {"new": None, "view": None if out is None else out.array.copy(), "in_place": general_x}[where]
+    with pytest.MonkeyPatch.context() as mp:
+        _general_only(mp)
+        expected = fastattn.apply_rope_cache(general_x, cache, out=general_out)
+    got = fastattn.apply_rope_cache(fast_x, cache, out=fast_out)
+    assert got.dtype == dtype and got.shape == (n, h, d)
+    if fast_out is not None:
+        assert got is fast_out
+    assert got.tobytes() == expected.tobytes()
+    for view in [x] + ([out] if out is not None else []):
+        view.assert_outside_unchanged()
+    if where == "view":
+        x.assert_all_unchanged()
+
+
+_CACHE_DTYPES = (FLOAT32, FLOAT16) + ((BFLOAT16,) if has_bf16() else ())
+
+
+@given(data=st.data(), config=rope_configs(), x_dtype=st.sampled_from((FLOAT32, FLOAT16)),
+       dst_dtype=st.sampled_from(_CACHE_DTYPES), idx_dtype=st.sampled_from((np.int32, np.int64)),
+       n=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_rope_set_rows_fast_path_gives_the_general_paths_bytes(data, config, x_dtype, dst_dtype, idx_dtype, n, seed):
+    """Including duplicate slots (the last token wins) and strided K views."""
+    kwargs, d, streams = config
+    _warm_fast_paths(x_dtype, dst_dtype, np.dtype(idx_dtype))
+    rng = np.random.default_rng(seed)
+    x = data.draw(strided((n, 2, d), x_dtype))
+    idx = rng.integers(0, 5, n).astype(idx_dtype)
+    cache = fastattn.rope_cache(positions(streams, n, rng, "large"), **kwargs)
+    original = rng.standard_normal((5, 2 * d)).astype(dst_dtype)
+    fast_dst, general_dst = original.copy(), original.copy()
+    with pytest.MonkeyPatch.context() as mp:
+        _general_only(mp)
+        fastattn.apply_rope_cache_set_rows(general_dst, x.array, cache, idx)
+    assert fastattn.apply_rope_cache_set_rows(fast_dst, x.array, cache, idx) is fast_dst
+    assert fast_dst.tobytes() == general_dst.tobytes()
+    x.assert_all_unchanged()
+
+
+@pytest.mark.parametrize("dtype", [FLOAT32, FLOAT16], ids=str)
+def test_decode_rope_calls_take_the_fast_paths(monkeypatch, dtype):
+    """Once recorded, a decode step's calls (Q in place, Q into a new array, K into a 2-D cache) never reach the
+    general path, and give its bytes."""
+    rng = np.random.default_rng(21)
+    _warm_fast_paths(dtype)
+    q = rng.standard_normal((1, 8, 64)).astype(dtype)
+    k = rng.standard_normal((1, 2, 64)).astype(dtype)
+    cache = fastattn.rope_cache(np.array([4097], np.int32), n_dims=64, mode=fastattn.ROPE_NEOX, freq_base=5e5)
+    idx = np.array([3], np.int64)
+
+    def step():
+        q_in_place = q.copy()
+        kv = np.zeros((6, 128), FLOAT16)
+        return [fastattn.apply_rope_cache(q_in_place, cache, out=q_in_place).tobytes(),
+                fastattn.apply_rope_cache(q, cache).tobytes(),
+                fastattn.apply_rope_cache_set_rows(kv, k, cache, idx).tobytes()]
+
+    with pytest.MonkeyPatch.context() as mp:
+        _general_only(mp)
+        expected = step()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the general path ran")
+    monkeypatch.setattr(_rope_module._args, "parse_x", refuse)
+    monkeypatch.setattr(_rope_module._args, "parse_set_rows", refuse)
+    assert step() == expected
+
+
+def test_bad_inputs_after_the_fast_paths_are_recorded():
+    """The fast paths decline every bad call before writing, and the general path raises its usual message."""
+    for dtype in (FLOAT32, FLOAT16):
+        _warm_fast_paths(dtype)
+    test_partial_alias_and_bad_cache_are_rejected()
+    test_rope_set_rows_rejects_bad_indices_before_writing(fastattn)
+    x = np.ones((1, 2, 16), np.float32)
+    vision = fastattn.rope_cache(np.zeros((4, 1), np.int32), n_dims=4, mode=fastattn.ROPE_VISION,
+                                 sections=[1, 1, 0, 0])
+    with pytest.raises(ValueError, match="ROPE_VISION"):  # VISION needs D == 2·n_dims exactly
+        fastattn.apply_rope_cache(x, vision, out=x)
+    assert (x == 1).all()
+    kv = np.zeros((4, 32), np.float32)
+    with pytest.raises(ValueError, match="overlap"):
+        fastattn.apply_rope_cache_set_rows(kv, kv[:1].reshape(1, 2, 16), fastattn.rope_cache(
+            np.zeros(1, np.int32), n_dims=16, mode=fastattn.ROPE_NEOX), np.array([2]))
+    assert not kv.any()
+    unaligned = np.zeros(4 * 32 + 2, np.uint8)[2:].view(np.float32).reshape(1, 2, 16)
+    unaligned[...] = 1.0
+    neox = fastattn.rope_cache(np.array([5], np.int32), n_dims=16, mode=fastattn.ROPE_NEOX)
+    assert fastattn.apply_rope_cache(unaligned, neox).tobytes() == fastattn.apply_rope_cache(
+        np.ones((1, 2, 16), np.float32), neox).tobytes()
