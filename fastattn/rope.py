@@ -328,116 +328,82 @@ def _rope_head(src, dst, cache_row, n_pairs, interleaved, in_place, unit_stride)
 TOKENS_PER_TASK = 8
 
 
-@functools.cache
-def _rope_driver(interleaved: bool, in_place: bool, layout: int, parallel: bool):
-    """The kernel ``(x, out, cs, n_pairs)`` for one combination of flags (made once). The flags are closure
-    constants, so each driver keeps only its own loop: with them as run-time arguments, or with a per-row stride
-    test, the NEOX out-of-place loop ran 1.25-1.7x slower. x, out: (B, N, H, D) of one dtype (out may be x); cs:
-    (N, 2·n_pairs) float32, cos then sin. In parallel, ``(next_task, n_threads)`` follow: a zeroed int64 counter
-    and the thread count; the threads take tasks of TOKENS_PER_TASK tokens from the counter."""
-    if parallel:
-        @numba.njit(parallel=True, **_EXACT)
-        def drive(x, out, cs, n_pairs, next_task, n_threads):
-            n_tasks = (x.shape[1] + TOKENS_PER_TASK - 1) // TOKENS_PER_TASK
-            for _ in prange(n_threads):
-                task = fetch_add(next_task)
-                while task < n_tasks:
-                    for n in range(task * TOKENS_PER_TASK, min(x.shape[1], (task + 1) * TOKENS_PER_TASK)):
-                        _rope_token(x, out, n, cs, n_pairs, interleaved, in_place, layout)
-                    task = fetch_add(next_task)
-    else:
-        @numba.njit(**_EXACT)
-        def drive(x, out, cs, n_pairs):
-            for n in range(x.shape[1]):
-                _rope_token(x, out, n, cs, n_pairs, interleaved, in_place, layout)
-    return drive
-
-
-@numba.njit(**_INLINE)
-def _rope_token(x, out, n, cs, n_pairs, interleaved, in_place, layout):
-    cache_row = cs[n]
-    for b in range(x.shape[0]):
-        _prefetch_next_token(x[b], n, layout)
-        _rope_block(x[b, n], out[b, n], cache_row, n_pairs, interleaved, in_place, layout)
-
-
 #: Cache lines of the next token's x asked for (``prefetcht0``) before a token is rotated: 1 KiB.
 PREFETCH_LINES = 16
 
 
 @numba.njit(**_INLINE)
 def _prefetch_next_token(tokens, n, layout):
-    """Start fetching the first lines of token n + 1's (H, D) block of ``tokens`` (N, H, D) while token n is
-    rotated. When tokens lie
-    apart (Q of a fused QKV buffer: 16 KiB runs 32 KiB apart), the hardware prefetchers start over at every
-    run, and the first lines of each come at full miss latency: in place, Q of (512, 32, 128) in a fused
-    buffer took 1.14-1.36x a contiguous x at 1 and 2 threads, 1.00-1.15x with this (paired runs)."""
+    """In place, start fetching the first lines of token n + 1's (H, D) block of ``tokens`` (N, H, D) while token
+    n is rotated. When tokens lie apart (Q of a fused QKV buffer: 16 KiB runs 32 KiB apart), the hardware
+    prefetchers start over at every run, and the first lines of each come at full miss latency: in place, Q of
+    (512, 32, 128) in a fused buffer took 1.14-1.36x a contiguous x at 1 and 2 threads, 1.00-1.15x with this
+    (paired runs). Out of place it did not help (the QKV view into a new array: 1.53-1.57x the contiguous in-place
+    time without, 1.44-1.58x with), and the contiguous out-of-place rotation seemed a little slower, so only the
+    in-place step asks."""
     if layout == TOKEN_BLOCK and n + 1 < tokens.shape[0]:
         first_row = tokens[n + 1, 0]
         for line in range(PREFETCH_LINES):
             prefetch(first_row, line * (64 // tokens.itemsize))
 
 
+# The token steps: what a driver does with token n of x (B, N, H, D) and its cache row. Each driver is made for
+# one step (a closure constant), so it compiles only that step's loop.
+@numba.njit(**_INLINE)
+def _rotate_step(x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layout):
+    """rope_ext / apply_rope_cache: out[b, n] = rope(x[b, n]) for every b (out may be x); idx, keep unused."""
+    for b in range(x.shape[0]):
+        if in_place:
+            _prefetch_next_token(x[b], n, layout)
+        _rope_block(x[b, n], out[b, n], cache_row, n_pairs, interleaved, in_place, layout)
+
+
+@numba.njit(**_INLINE)
+def _cache_write_step(x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layout):
+    """rope_set_rows: x (1, N, H, D) K rows, out (R, H, D) the cache; token n goes to out[idx[n]] when keep[n]."""
+    if keep[n]:
+        _rope_block(x[0, n], out[idx[n]], cache_row, n_pairs, interleaved, False, layout)
+
+
+#: Tokens per task of the parallel drivers: threads take tasks from a shared counter (``_kernel.fetch_add``), so
+#: a thread slowed down by another process runs fewer of them. 8 tokens x 32 heads x 128 dims is ~32 KiB of x.
+TOKENS_PER_TASK = 8
+
+
 @functools.cache
-def _set_rows_driver(interleaved: bool, layout: int, parallel: bool):
-    """The rope_set_rows kernel ``(x, dst, idx, cs, n_pairs)``: x (N, H, D) K rows, dst (R, H, D) cache; token i
-    goes to dst[idx[i]], in order (the last duplicate wins). In parallel ``(x, dst, idx, keep, cs, n_pairs,
-    next_task, n_threads)``: only tokens with keep[i] (the last of their index) write."""
+def _driver(step, interleaved: bool, in_place: bool, layout: int, parallel: bool):
+    """The kernel ``(x, out, idx, keep, cs, n_pairs)`` running ``step`` on every token of x (B, N, H, D) with
+    its row of cs (N, 2·n_pairs) float32 (cos then sin), for one combination of flags (made once). The flags are
+    closure constants, so each driver keeps only its own loop: with them as run-time arguments, or with a
+    per-row stride test, the NEOX out-of-place loop ran 1.25-1.7x slower. In parallel, ``(next_task,
+    n_threads)`` follow: a zeroed int64 counter and the thread count; the threads take tasks of TOKENS_PER_TASK
+    tokens from the counter."""
     if parallel:
         @numba.njit(parallel=True, **_EXACT)
-        def drive(x, dst, idx, keep, cs, n_pairs, next_task, n_threads):
-            n_tasks = (x.shape[0] + TOKENS_PER_TASK - 1) // TOKENS_PER_TASK
+        def drive(x, out, idx, keep, cs, n_pairs, next_task, n_threads):
+            n_tasks = (x.shape[1] + TOKENS_PER_TASK - 1) // TOKENS_PER_TASK
             for _ in prange(n_threads):
                 task = fetch_add(next_task)
                 while task < n_tasks:
-                    for i in range(task * TOKENS_PER_TASK, min(x.shape[0], (task + 1) * TOKENS_PER_TASK)):
-                        if keep[i]:
-                            _prefetch_next_token(x, i, layout)
-                            _rope_block(x[i], dst[idx[i]], cs[i], n_pairs, interleaved, False, layout)
+                    for n in range(task * TOKENS_PER_TASK, min(x.shape[1], (task + 1) * TOKENS_PER_TASK)):
+                        step(x, out, idx, keep, n, cs[n], n_pairs, interleaved, in_place, layout)
                     task = fetch_add(next_task)
     else:
         @numba.njit(**_EXACT)
-        def drive(x, dst, idx, cs, n_pairs):
-            for i in range(x.shape[0]):
-                _prefetch_next_token(x, i, layout)
-                _rope_block(x[i], dst[idx[i]], cs[i], n_pairs, interleaved, False, layout)
+        def drive(x, out, idx, keep, cs, n_pairs):
+            for n in range(x.shape[1]):
+                step(x, out, idx, keep, n, cs[n], n_pairs, interleaved, in_place, layout)
     return drive
 
 
 @functools.cache
-def _fused_set_rows_driver(interleaved: bool, layout: int):
-    """rope_set_rows on threads, the cos/sin made inside the same pass: ``(x, dst, idx, keep, pos, streams, w,
+def _fused_driver(step, interleaved: bool, in_place: bool, layout: int):
+    """``_driver`` on threads with the cos/sin made inside the same pass: ``(x, out, idx, keep, pos, streams, w,
     step_cos, step_sin, cos_scale, sin_scale, next_task, n_threads)``. A task is one CACHE_BLOCK of tokens: its
     cos/sin go to the thread's scratch (exactly the values ``rope_cache`` would store: same blocks, same code),
-    then its K rows to the cache; only tokens with keep[i] (the last of their index) write."""
+    then its tokens are stepped through while the scratch is in L1."""
     @numba.njit(parallel=True, **_EXACT)
-    def drive(x, dst, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, next_task, n_threads):
-        n_tokens = x.shape[0]
-        n_pairs = w.shape[0]
-        n_tasks = (n_tokens + CACHE_BLOCK - 1) // CACHE_BLOCK
-        for _ in prange(n_threads):
-            cs = np.empty((CACHE_BLOCK, 2 * n_pairs), np.float32)
-            task = fetch_add(next_task)
-            while task < n_tasks:
-                n0 = task * CACHE_BLOCK
-                n1 = min(n_tokens, n0 + CACHE_BLOCK)
-                _cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, n0, n1)
-                for i in range(n0, n1):
-                    if keep[i]:
-                        _prefetch_next_token(x, i, layout)
-                        _rope_block(x[i], dst[idx[i]], cs[i - n0], n_pairs, interleaved, False, layout)
-                task = fetch_add(next_task)
-    return drive
-
-
-@functools.cache
-def _fused_rope_driver(interleaved: bool, in_place: bool, layout: int):
-    """rope_ext on threads, the cos/sin made inside the same pass: ``(x, out, pos, streams, w, step_cos, step_sin,
-    cos_scale, sin_scale, next_task, n_threads)``, x and out (B, N, H, D). A task is one CACHE_BLOCK of tokens:
-    its cos/sin go to the thread's scratch (the values ``rope_cache`` would store: same blocks, same code), then
-    its rows are rotated while the scratch is in L1."""
-    @numba.njit(parallel=True, **_EXACT)
-    def drive(x, out, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, next_task, n_threads):
+    def drive(x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, next_task, n_threads):
         n_tokens = x.shape[1]
         n_pairs = w.shape[0]
         n_tasks = (n_tokens + CACHE_BLOCK - 1) // CACHE_BLOCK
@@ -449,9 +415,7 @@ def _fused_rope_driver(interleaved: bool, in_place: bool, layout: int):
                 n1 = min(n_tokens, n0 + CACHE_BLOCK)
                 _cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, n0, n1)
                 for n in range(n0, n1):
-                    for b in range(x.shape[0]):
-                        _prefetch_next_token(x[b], n, layout)
-                        _rope_block(x[b, n], out[b, n], cs[n - n0], n_pairs, interleaved, in_place, layout)
+                    step(x, out, idx, keep, n, cs[n - n0], n_pairs, interleaved, in_place, layout)
                 task = fetch_add(next_task)
     return drive
 
@@ -713,11 +677,11 @@ def _run(xk: np.ndarray, ok: np.ndarray, cache: RopeCache, in_place: bool, nbyte
     """The kernel call on (B, N, H, D) kernel views. The size test comes first: asking for the thread count
     costs ~1 us, as much as a decode-sized rotation."""
     n_threads = _threads.threads_for(nbytes) if nbytes >= _threads.PARALLEL_MIN_BYTES and xk.shape[1] > 1 else 1
-    driver = _rope_driver(cache.interleaved, in_place, token_layout(xk, ok), n_threads > 1)
+    driver = _driver(_rotate_step, cache.interleaved, in_place, token_layout(xk, ok), n_threads > 1)
     if n_threads > 1:
-        driver(xk, ok, cache.cs, cache.n_pairs, np.zeros(1, np.int64), n_threads)
+        driver(xk, ok, None, None, cache.cs, cache.n_pairs, np.zeros(1, np.int64), n_threads)
     else:
-        driver(xk, ok, cache.cs, cache.n_pairs)
+        driver(xk, ok, None, None, cache.cs, cache.n_pairs)
 
 
 def _apply(x: np.ndarray, out: np.ndarray, cache: RopeCache) -> None:
@@ -794,8 +758,8 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
             xk = kernel_view(x4)
             ok = xk if out is x else kernel_view(out4)
             table = _pair_table(params)
-            _fused_rope_driver(params.mode == RopeMode.NORMAL, out is x, token_layout(xk, ok))(
-                xk, ok, pos, table.streams, table.w, table.step_cos, table.step_sin, table.cos_scale,
+            _fused_driver(_rotate_step, params.mode == RopeMode.NORMAL, out is x, token_layout(xk, ok))(
+                xk, ok, None, None, pos, table.streams, table.w, table.step_cos, table.step_sin, table.cos_scale,
                 table.sin_scale, np.zeros(1, np.int64), n_threads)
             return result
         out = result
@@ -858,8 +822,10 @@ def _set_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, cache: RopeCache
         cache = _build_cache(pos, params)
     interleaved = params.mode == RopeMode.NORMAL if cache is None else cache.interleaved
     layout = token_layout(xk, dk)
-    if not parallel:
-        _set_rows_driver(interleaved, layout, False)(xk, dk, idx, cache.cs, cache.n_pairs)
+    x1 = xk[None]  # (1, N, H, D): the drivers step through axis 1
+    if not parallel:  # in order, every token writes: the last duplicate wins
+        _driver(_cache_write_step, interleaved, False, layout, False)(x1, dk, idx, np.ones(n_tokens, np.bool_),
+                                                                     cache.cs, cache.n_pairs)
         return
     keep = np.zeros(n_tokens, np.bool_)
     if np.all(idx[1:] > idx[:-1]):  # the usual consecutive cache slots: no duplicates, no sort needed
@@ -869,10 +835,11 @@ def _set_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, cache: RopeCache
         keep[n_tokens - 1 - last_from_end] = True
     next_task = np.zeros(1, np.int64)
     if cache is not None:
-        _set_rows_driver(interleaved, layout, True)(xk, dk, idx, keep, cache.cs, cache.n_pairs, next_task,
-                                                         n_threads)
+        _driver(_cache_write_step, interleaved, False, layout, True)(x1, dk, idx, keep, cache.cs, cache.n_pairs,
+                                                                    next_task, n_threads)
     else:
         table = _pair_table(params)
-        _fused_set_rows_driver(interleaved, layout)(xk, dk, idx, keep, pos, table.streams, table.w,
-                                                         table.step_cos, table.step_sin, table.cos_scale,
-                                                         table.sin_scale, next_task, n_threads)
+        _fused_driver(_cache_write_step, interleaved, False, layout)(x1, dk, idx, keep, pos, table.streams, table.w,
+                                                                     table.step_cos, table.step_sin,
+                                                                     table.cos_scale, table.sin_scale, next_task,
+                                                                     n_threads)
