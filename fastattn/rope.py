@@ -323,12 +323,7 @@ def _rope_head(src, dst, cache_row, n_pairs, interleaved, in_place, unit_stride)
         _rotate_into(src, dst, cos, sin, n_pairs, interleaved)
 
 
-#: Tokens per task of the parallel drivers: threads take tasks from a shared counter (``_kernel.fetch_add``), so
-#: a thread slowed down by another process runs fewer of them. 8 tokens x 32 heads x 128 dims is ~32 KiB of x.
-TOKENS_PER_TASK = 8
-
-
-#: Cache lines of the next token's x asked for (``prefetcht0``) before a token is rotated: 1 KiB.
+#: Cache lines of the next token's x asked for (``prefetcht0``) before a token is rotated in place: 1 KiB.
 PREFETCH_LINES = 16
 
 
