@@ -87,7 +87,7 @@ def test_neox_in_place_fused_qkv_paired(benchmark, threads):
             times[name].append(time.perf_counter() - start)
 
     measure(benchmark, both, group=f"rope neox ({N},{H},{D}) f32 in place, QKV view vs contiguous, paired",
-            threads=threads, nbytes=2 * (x.nbytes + x.nbytes))
+            threads=threads, nbytes=4 * x.nbytes)  # two calls, each reading and writing x
     contiguous, fused = (float(np.median(times[k][1:])) for k in ("contiguous", "qkv"))
     benchmark.extra_info["contiguous_us"] = round(contiguous * 1e6, 1)
     benchmark.extra_info["qkv_us"] = round(fused * 1e6, 1)
