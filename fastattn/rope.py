@@ -18,11 +18,11 @@ Algorithm, in two passes:
    in float32, every product rounded on its own (no FMA contraction), so results are identical across layouts,
    thread counts and builds. Out of place it reads x and writes out directly and copies the dims past the
    rotated span; in place it rotates the row where it is and leaves those dims alone. Pairing: NORMAL
-   (2p, 2p+1); NEOX/MROPE/IMROPE (p, p + n_dims/2); VISION (p, p + n_dims), covering the whole head. One
-   driver per (pairing, in place, layout, serial/parallel) keeps exactly one loop, which vectorises when the
-   rows are contiguous (they are retyped as such, no copy). Layouts (``token_layout``): out of place, a token's
-   H rows adjacent (contiguous x, Q or K of a fused QKV buffer) are rotated as one 2-D block; otherwise
-   unit-stride rows row by row; rows with strided elements by strided loops.
+   (2p, 2p+1); NEOX/MROPE/IMROPE (p, p + n_dims/2); VISION (p, p + n_dims), covering the whole head. When a
+   row's elements are adjacent (any row stride: contiguous x, Q or K of a fused QKV buffer, a slice of the head
+   dim), a token's rows are rotated by explicit 8-wide vector code (``_rope_rotate``), 8 pairs a step, the few
+   pairs past the last whole chunk by scalar code; rows with strided elements take strided scalar loops. One
+   driver per (pairing, in place, layout, serial/parallel) keeps only its own loop.
 
 Layout: ``x`` (..., N, H, D) with any strides, e.g. Q = ``qkv[:, :H*D].reshape(N, H, D)`` of a fused projection
 output (a no-copy view), is read through its strides: leading axes are merged without a copy when NumPy can,
@@ -55,6 +55,8 @@ from ._dispatch import FastPath, aligned, array_type, meta, overlaps, same_view,
 from ._args import rope as _args
 from ._kernel import KERNEL_OPTIONS, assume_contiguous, fetch_add, from_f32, kernel_view, prefetch, to_f32
 from ._modes import RopeMode
+from ._rope_rotate import rotate_rows_adjacent, rotate_rows_split
+from ._simd import LANES
 from ._validate import FLOAT32, STORAGE_FLOATS
 
 _ND = np.ndarray
@@ -230,8 +232,7 @@ def _rotate_in_place(row, cos, sin, n_pairs, interleaved):
 
 @numba.njit(**_INLINE)
 def _rotate_into(src, dst, cos, sin, n_pairs, interleaved):
-    """dst = rope(src) for separate rows of any element types: widened, rotated in float32, narrowed once; the
-    dims past the rotated span are copied (converted if the types differ)."""
+    """dst = rope(src) for separate rows of any element types: widened, rotated in float32, narrowed once."""
     if interleaved:
         for p in range(n_pairs):
             a = to_f32(src[2 * p])
@@ -248,38 +249,42 @@ def _rotate_into(src, dst, cos, sin, n_pairs, interleaved):
             b = to_f32(src_second[p])
             dst_first[p] = from_f32(a * cos[p] - b * sin[p], dst)
             dst_second[p] = from_f32(a * sin[p] + b * cos[p], dst)
-    src_tail = src[2 * n_pairs:]
-    dst_tail = dst[2 * n_pairs:]
+
+
+@numba.njit(**_INLINE)
+def _copy_tail(src, dst, start):
+    """dst[start:] = src[start:] (converted if the types differ): the dims past the rotated span."""
+    src_tail = src[start:]
+    dst_tail = dst[start:]
     for j in range(src_tail.shape[0]):
         dst_tail[j] = _store(src_tail[j], dst)
 
 
 @numba.njit(**_INLINE)
-def _rotate_block_into(src, dst, cos, sin, n_pairs, interleaved):
-    """``_rotate_into`` for every head row of one token's (H, D) C-contiguous blocks, indexed in 2-D."""
-    for h in range(src.shape[0]):
+def _rotate_rest(src, dst, cos, sin, done, n_pairs, interleaved, in_place):
+    """Pairs done .. n_pairs of one row (those past the vector code's whole chunks), then, out of place, the dims
+    past the rotated span. Views are sliced to start at the first pair, so the loops run from 0."""
+    if done < n_pairs:
+        rest = n_pairs - done
         if interleaved:
-            for p in range(n_pairs):
-                a = to_f32(src[h, 2 * p])
-                b = to_f32(src[h, 2 * p + 1])
-                dst[h, 2 * p] = from_f32(a * cos[p] - b * sin[p], dst)
-                dst[h, 2 * p + 1] = from_f32(a * sin[p] + b * cos[p], dst)
+            if in_place:
+                _rotate_in_place(dst[2 * done:2 * n_pairs], cos[done:], sin[done:], rest, True)
+            else:
+                _rotate_into(src[2 * done:2 * n_pairs], dst[2 * done:2 * n_pairs], cos[done:], sin[done:], rest, True)
         else:
-            for p in range(n_pairs):
-                a = to_f32(src[h, p])
-                b = to_f32(src[h, p + n_pairs])
-                dst[h, p] = from_f32(a * cos[p] - b * sin[p], dst)
-                dst[h, p + n_pairs] = from_f32(a * sin[p] + b * cos[p], dst)
-        for j in range(2 * n_pairs, src.shape[1]):
-            dst[h, j] = _store(src[h, j], dst)
+            for p in range(rest):  # the two halves of a split row are n_pairs apart: a few scalar pairs
+                a = to_f32(src[done + p])
+                b = to_f32(src[n_pairs + done + p])
+                dst[done + p] = from_f32(a * cos[done + p] - b * sin[done + p], dst)
+                dst[n_pairs + done + p] = from_f32(a * sin[done + p] + b * cos[done + p], dst)
+    if not in_place:
+        _copy_tail(src, dst, 2 * n_pairs)
 
 
 #: Layouts of one token's (H, D) head rows, a closure constant of every driver: each keeps only its own loop.
 ROWS_STRIDED = 0  # elements of a row not adjacent: strided loops
-ROWS_UNIT = 1  # rows of adjacent elements, heads apart (e.g. a partial-head view): one vectorised loop per row
-#: the H rows adjacent too (contiguous x, Q or K of a fused QKV buffer): out of place, one 2-D block per token,
-#: ~20% less time than row by row (per-row slices and overlap checks); in place, row by row as ROWS_UNIT
-TOKEN_BLOCK = 2
+ROWS_UNIT = 1  # rows of adjacent elements, heads apart (e.g. a partial-head view)
+TOKEN_BLOCK = 2  # the H rows adjacent too (contiguous x, Q or K of a fused QKV buffer)
 
 
 def token_layout(a: np.ndarray, b: np.ndarray) -> int:
@@ -294,33 +299,28 @@ def token_layout(a: np.ndarray, b: np.ndarray) -> int:
 
 @numba.njit(**_INLINE)
 def _rope_block(src, dst, cache_row, n_pairs, interleaved, in_place, layout):
-    """One token's head rows src, dst (H, D) (the same array in place). In place, row by row even for a block:
-    the halves of a row as two slices vectorise, one 2-D name read and written at p and p + n_pairs did not
-    (decode 0.3-1 us slower)."""
-    if layout == TOKEN_BLOCK and not in_place:
-        _rotate_block_into(assume_contiguous(src), assume_contiguous(dst), cache_row[:n_pairs], cache_row[n_pairs:],
-                           n_pairs, interleaved)
-    else:
-        for h in range(src.shape[0]):
-            _rope_head(src[h], dst[h], cache_row, n_pairs, interleaved, in_place, layout != ROWS_STRIDED)
+    """One token's head rows src, dst (H, D) (the same memory in place) with its cache row (cos then sin).
 
-
-@numba.njit(**_INLINE)
-def _rope_head(src, dst, cache_row, n_pairs, interleaved, in_place, unit_stride):
-    """One head row. cos and sin are slices of one cache row, so LLVM's alias checks group them (and src's and
-    dst's halves): the out-of-place loop then stays under its check limit and vectorises. ``unit_stride``
-    (checked by the caller for the whole array) retypes the rows as contiguous so the loops vectorise."""
+    Rows of adjacent elements (any row stride) take the vector code (``_rope_rotate``) for the whole chunks of 8
+    pairs of every row at once, then the scalar rest; rows with strided elements take strided scalar loops."""
     cos = cache_row[:n_pairs]
-    sin = cache_row[n_pairs:]
-    if unit_stride:
-        if in_place:
-            _rotate_in_place(assume_contiguous(dst), cos, sin, n_pairs, interleaved)
-        else:
-            _rotate_into(assume_contiguous(src), assume_contiguous(dst), cos, sin, n_pairs, interleaved)
-    elif in_place:
-        _rotate_in_place(dst, cos, sin, n_pairs, interleaved)
+    sin = cache_row[n_pairs:2 * n_pairs]
+    if layout == ROWS_STRIDED:
+        for h in range(src.shape[0]):
+            if in_place:
+                _rotate_in_place(dst[h], cos, sin, n_pairs, interleaved)
+            else:
+                _rotate_into(src[h], dst[h], cos, sin, n_pairs, interleaved)
+                _copy_tail(src[h], dst[h], 2 * n_pairs)
+        return
+    if interleaved:
+        rotate_rows_adjacent(src, dst, cos, sin)
     else:
-        _rotate_into(src, dst, cos, sin, n_pairs, interleaved)
+        rotate_rows_split(src, dst, cos, sin)
+    done = n_pairs // LANES * LANES
+    if done < n_pairs or (2 * n_pairs < src.shape[1] and not in_place):
+        for h in range(src.shape[0]):
+            _rotate_rest(src[h], dst[h], cos, sin, done, n_pairs, interleaved, in_place)
 
 
 #: Cache lines of the next token's x asked for (``prefetcht0``) before a token is rotated in place: 1 KiB.
@@ -343,7 +343,9 @@ def _prefetch_next_token(tokens, n, layout):
 
 
 # The token steps: what a driver does with token n of x (B, N, H, D) and its cache row. Each driver is made for
-# one step (a closure constant), so it compiles only that step's loop.
+# one step (a closure constant), so it compiles only that step's loop; the pairing, in-place and layout flags are
+# run-time arguments: they choose per token between loops that are each compiled once (the rotation is vector
+# code, ``_rope_block``), so one driver serves every combination and compiles once per dtype combination.
 @numba.njit(**_INLINE)
 def _rotate_step(x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layout):
     """rope_ext / apply_rope_cache: out[b, n] = rope(x[b, n]) for every b (out may be x); idx, keep unused."""
@@ -366,16 +368,14 @@ TOKENS_PER_TASK = 8
 
 
 @functools.cache
-def _driver(step, interleaved: bool, in_place: bool, layout: int, parallel: bool):
-    """The kernel ``(x, out, idx, keep, cs, n_pairs)`` running ``step`` on every token of x (B, N, H, D) with
-    its row of cs (N, 2·n_pairs) float32 (cos then sin), for one combination of flags (made once). The flags are
-    closure constants, so each driver keeps only its own loop: with them as run-time arguments, or with a
-    per-row stride test, the NEOX out-of-place loop ran 1.25-1.7x slower. In parallel, ``(next_task,
-    n_threads)`` follow: a zeroed int64 counter and the thread count; the threads take tasks of TOKENS_PER_TASK
-    tokens from the counter."""
+def _driver(step, parallel: bool):
+    """The kernel ``(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout)`` running ``step`` on every
+    token of x (B, N, H, D) with its row of cs (N, 2·n_pairs) float32 (cos then sin) (made once per step). In
+    parallel, ``(next_task, n_threads)`` follow: a zeroed int64 counter and the thread count; the threads take
+    tasks of TOKENS_PER_TASK tokens from the counter."""
     if parallel:
         @numba.njit(parallel=True, **_EXACT)
-        def drive(x, out, idx, keep, cs, n_pairs, next_task, n_threads):
+        def drive(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout, next_task, n_threads):
             n_tasks = (x.shape[1] + TOKENS_PER_TASK - 1) // TOKENS_PER_TASK
             for _ in prange(n_threads):
                 task = fetch_add(next_task)
@@ -385,20 +385,21 @@ def _driver(step, interleaved: bool, in_place: bool, layout: int, parallel: bool
                     task = fetch_add(next_task)
     else:
         @numba.njit(**_EXACT)
-        def drive(x, out, idx, keep, cs, n_pairs):
+        def drive(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout):
             for n in range(x.shape[1]):
                 step(x, out, idx, keep, n, cs[n], n_pairs, interleaved, in_place, layout)
     return drive
 
 
 @functools.cache
-def _fused_driver(step, interleaved: bool, in_place: bool, layout: int):
+def _fused_driver(step):
     """``_driver`` on threads with the cos/sin made inside the same pass: ``(x, out, idx, keep, pos, streams, w,
-    step_cos, step_sin, cos_scale, sin_scale, next_task, n_threads)``. A task is one CACHE_BLOCK of tokens: its
-    cos/sin go to the thread's scratch (exactly the values ``rope_cache`` would store: same blocks, same code),
-    then its tokens are stepped through while the scratch is in L1."""
+    step_cos, step_sin, cos_scale, sin_scale, interleaved, in_place, layout, next_task, n_threads)``. A task is
+    one CACHE_BLOCK of tokens: its cos/sin go to the thread's scratch (exactly the values ``rope_cache`` would
+    store: same blocks, same code), then its tokens are stepped through while the scratch is in L1."""
     @numba.njit(parallel=True, **_EXACT)
-    def drive(x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, next_task, n_threads):
+    def drive(x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved, in_place,
+              layout, next_task, n_threads):
         n_tokens = x.shape[1]
         n_pairs = w.shape[0]
         n_tasks = (n_tokens + CACHE_BLOCK - 1) // CACHE_BLOCK
@@ -525,16 +526,7 @@ def _rope_fast(x, out, cs, n_pairs, interleaved, min_head_dim, exact_head_dim, m
     in_place = same_view(mo, mx)
     if not (unit_rows(mx) and unit_rows(mo)) or (overlaps(mo, mx) and not in_place):
         return False
-    # one loop per (pairing, in place), each with constant flags: with the flags tested inside, twice the time
-    if interleaved:
-        if in_place:
-            _rope_tokens(x, out, cs, n_pairs, True, True)
-        else:
-            _rope_tokens(x, out, cs, n_pairs, True, False)
-    elif in_place:
-        _rope_tokens(x, out, cs, n_pairs, False, True)
-    else:
-        _rope_tokens(x, out, cs, n_pairs, False, False)
+    _rope_tokens(x, out, cs, n_pairs, interleaved, in_place)
     return True
 
 
@@ -562,10 +554,7 @@ def _rope_set_rows_fast(dst, x, idx, cs, n_pairs, interleaved, min_head_dim, exa
     for i in range(n):
         if idx[i] < 0 or idx[i] >= n_rows:
             return False
-    if interleaved:  # constant flags in each loop (see _rope_fast)
-        _rope_rows_to_cache(dst, x, idx, cs, n_pairs, True)
-    else:
-        _rope_rows_to_cache(dst, x, idx, cs, n_pairs, False)
+    _rope_rows_to_cache(dst, x, idx, cs, n_pairs, interleaved)
     return True
 
 
@@ -672,11 +661,12 @@ def _run(xk: np.ndarray, ok: np.ndarray, cache: RopeCache, in_place: bool, nbyte
     """The kernel call on (B, N, H, D) kernel views. The size test comes first: asking for the thread count
     costs ~1 us, as much as a decode-sized rotation."""
     n_threads = _threads.threads_for(nbytes) if nbytes >= _threads.PARALLEL_MIN_BYTES and xk.shape[1] > 1 else 1
-    driver = _driver(_rotate_step, cache.interleaved, in_place, token_layout(xk, ok), n_threads > 1)
+    flags = (cache.interleaved, in_place, token_layout(xk, ok))
     if n_threads > 1:
-        driver(xk, ok, None, None, cache.cs, cache.n_pairs, np.zeros(1, np.int64), n_threads)
+        _driver(_rotate_step, True)(xk, ok, None, None, cache.cs, cache.n_pairs, *flags, np.zeros(1, np.int64),
+                                    n_threads)
     else:
-        driver(xk, ok, None, None, cache.cs, cache.n_pairs)
+        _driver(_rotate_step, False)(xk, ok, None, None, cache.cs, cache.n_pairs, *flags)
 
 
 def _apply(x: np.ndarray, out: np.ndarray, cache: RopeCache) -> None:
@@ -753,9 +743,10 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
             xk = kernel_view(x4)
             ok = xk if out is x else kernel_view(out4)
             table = _pair_table(params)
-            _fused_driver(_rotate_step, params.mode == RopeMode.NORMAL, out is x, token_layout(xk, ok))(
+            _fused_driver(_rotate_step)(
                 xk, ok, None, None, pos, table.streams, table.w, table.step_cos, table.step_sin, table.cos_scale,
-                table.sin_scale, np.zeros(1, np.int64), n_threads)
+                table.sin_scale, params.mode == RopeMode.NORMAL, out is x, token_layout(xk, ok),
+                np.zeros(1, np.int64), n_threads)
             return result
         out = result
     return apply_rope_cache(x, _build_cache(pos, params), out=out)
@@ -819,8 +810,8 @@ def _set_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, cache: RopeCache
     layout = token_layout(xk, dk)
     x1 = xk[None]  # (1, N, H, D): the drivers step through axis 1
     if not parallel:  # in order, every token writes: the last duplicate wins
-        _driver(_cache_write_step, interleaved, False, layout, False)(x1, dk, idx, np.ones(n_tokens, np.bool_),
-                                                                     cache.cs, cache.n_pairs)
+        _driver(_cache_write_step, False)(x1, dk, idx, np.ones(n_tokens, np.bool_), cache.cs, cache.n_pairs,
+                                          interleaved, False, layout)
         return
     keep = np.zeros(n_tokens, np.bool_)
     if np.all(idx[1:] > idx[:-1]):  # the usual consecutive cache slots: no duplicates, no sort needed
@@ -830,11 +821,10 @@ def _set_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, cache: RopeCache
         keep[n_tokens - 1 - last_from_end] = True
     next_task = np.zeros(1, np.int64)
     if cache is not None:
-        _driver(_cache_write_step, interleaved, False, layout, True)(x1, dk, idx, keep, cache.cs, cache.n_pairs,
-                                                                    next_task, n_threads)
+        _driver(_cache_write_step, True)(x1, dk, idx, keep, cache.cs, cache.n_pairs, interleaved, False, layout,
+                                         next_task, n_threads)
     else:
         table = _pair_table(params)
-        _fused_driver(_cache_write_step, interleaved, False, layout)(x1, dk, idx, keep, pos, table.streams, table.w,
-                                                                     table.step_cos, table.step_sin,
-                                                                     table.cos_scale, table.sin_scale, next_task,
-                                                                     n_threads)
+        _fused_driver(_cache_write_step)(x1, dk, idx, keep, pos, table.streams, table.w, table.step_cos,
+                                         table.step_sin, table.cos_scale, table.sin_scale, interleaved, False,
+                                         layout, next_task, n_threads)

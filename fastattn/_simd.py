@@ -1,0 +1,122 @@
+"""LLVM IR building blocks for intrinsics that work on explicit 8-wide float32 vectors.
+
+Numba's loops are vectorised by LLVM when it can prove they are safe and worth it; a loop that must hold
+vector accumulators across an outer loop, or that runs over a short row many times (paying LLVM's runtime
+overlap checks and set-up each time), is better written as an ``@intrinsic`` that emits the vector code
+itself. These helpers are the pieces such intrinsics share (``_attention_tiled``'s block products predate them
+and carry their own).
+
+Elements are addressed in the kernel dtypes of ``_kernel``: float32, float16 bits (``uint16``) and bfloat16 bits
+(``int16``). ``load8`` widens 8 consecutive elements to ``<8 x float>`` (``vcvtph2ps`` for float16), ``store8``
+narrows with round-to-nearest-even (bit-exact with NumPy's ``astype``, as ``_kernel.from_f32``). Arithmetic on
+the vectors is plain IEEE (no fast-math flags) unless a caller adds them.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core.errors import TypingError
+
+LANES = 8
+I16 = ir.IntType(16)
+I32 = ir.IntType(32)
+I64 = ir.IntType(64)
+V8 = ir.VectorType(ir.FloatType(), LANES)
+_V8_I16 = ir.VectorType(I16, LANES)
+_V8_I32 = ir.VectorType(I32, LANES)
+#: The element types a kernel sees (``_kernel.kernel_view``): float32, float16 bits, bfloat16 bits.
+KERNEL_DTYPES = (types.float32, types.uint16, types.int16)
+
+
+def check_array(name: str, arr, dtypes=KERNEL_DTYPES, ndim: int = 1, contiguous: bool = False) -> None:
+    """Raise a TypingError unless ``arr`` is an ndim-D array of one of ``dtypes`` (C-contiguous if asked)."""
+    if not (isinstance(arr, types.Array) and arr.dtype in dtypes and arr.ndim == ndim
+            and (arr.layout == "C" or not contiguous)):
+        raise TypingError(f"{name}: expected a {'C-contiguous ' if contiguous else ''}{ndim}-D array of "
+                          f"{', '.join(map(str, dtypes))}, got {arr}")
+
+
+def const(n: int):
+    return ir.Constant(I64, n)
+
+
+def as_int64(context, builder, value, typ):
+    return context.cast(builder, value, typ, types.int64)
+
+
+def element_stride(builder, arr, axis: int, dtype):
+    """The stride of ``arr`` along ``axis`` in elements (Numba keeps it in bytes)."""
+    return builder.sdiv(builder.extract_value(arr.strides, axis), const(dtype.bitwidth // 8))
+
+
+def _vector_ptr(builder, data, offset, vector_type):
+    return builder.bitcast(builder.gep(data, [offset]), vector_type.as_pointer())
+
+
+def load8(builder, dtype, data, offset):
+    """Elements offset .. offset+7 of ``data`` (a pointer to ``dtype`` elements) widened to <8 x float>."""
+    if dtype == types.float32:
+        return builder.load(_vector_ptr(builder, data, offset, V8), align=4)
+    bits = builder.load(_vector_ptr(builder, data, offset, _V8_I16), align=2)
+    if dtype == types.uint16:  # float16
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), V8)
+    wide = builder.shl(builder.zext(bits, _V8_I32), ir.Constant(_V8_I32, [16] * LANES))  # bfloat16
+    return builder.bitcast(wide, V8)
+
+
+def store8(builder, dtype, data, offset, value):
+    """Store <8 x float> ``value`` to elements offset .. offset+7 of ``data``, narrowed to ``dtype`` (round to
+    nearest even; a bfloat16 NaN stays a quiet NaN)."""
+    if dtype == types.float32:
+        builder.store(value, _vector_ptr(builder, data, offset, V8), align=4)
+        return
+    if dtype == types.uint16:
+        bits = builder.bitcast(builder.fptrunc(value, ir.VectorType(ir.HalfType(), LANES)), _V8_I16)
+    else:
+        wide = builder.bitcast(value, _V8_I32)
+        lsb = builder.and_(builder.lshr(wide, splat_int(builder, 16)), splat_int(builder, 1))
+        rounded = builder.add(wide, builder.add(lsb, splat_int(builder, 0x7FFF)))
+        quiet_nan = builder.or_(wide, splat_int(builder, 0x400000))
+        chosen = builder.select(builder.fcmp_unordered("uno", value, value), quiet_nan, rounded)
+        bits = builder.trunc(builder.lshr(chosen, splat_int(builder, 16)), _V8_I16)
+    builder.store(bits, _vector_ptr(builder, data, offset, _V8_I16), align=2)
+
+
+def splat_int(builder, n: int):
+    return ir.Constant(_V8_I32, [n] * LANES)
+
+
+def shuffle(builder, a, b, lanes):
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(I32, len(lanes)), lanes))
+
+
+def splat(builder, x):
+    """<8 x float> with every lane ``x``."""
+    one = builder.insert_element(ir.Constant(V8, ir.Undefined), x, ir.Constant(I32, 0))
+    return shuffle(builder, one, ir.Constant(V8, ir.Undefined), [0] * LANES)
+
+
+def loop(builder, start, stop, step, carried, body):
+    """``for i in range(start, stop, step): carried = body(i, carried)``, the carried LLVM values in registers
+    (phis); returns their final values. ``body`` may emit loops of its own."""
+    entry = builder.basic_block
+    head = builder.append_basic_block("loop.head")
+    block = builder.append_basic_block("loop.body")
+    done = builder.append_basic_block("loop.done")
+    builder.branch(head)
+    builder.position_at_end(head)
+    i = builder.phi(I64)
+    i.add_incoming(start, entry)
+    phis = [builder.phi(v.type) for v in carried]
+    for phi, v in zip(phis, carried):
+        phi.add_incoming(v, entry)
+    builder.cbranch(builder.icmp_signed("<", i, stop), block, done)
+    builder.position_at_end(block)
+    updated = body(i, phis)
+    end = builder.basic_block
+    for phi, v in zip(phis, updated):
+        phi.add_incoming(v, end)
+    i.add_incoming(builder.add(i, step), end)
+    builder.branch(head)
+    builder.position_at_end(done)
+    return phis
