@@ -281,7 +281,7 @@ def _rotate_rest(src, dst, cos, sin, done, n_pairs, interleaved, in_place):
         _copy_tail(src, dst, 2 * n_pairs)
 
 
-#: Layouts of one token's (H, D) head rows, a closure constant of every driver: each keeps only its own loop.
+#: Layouts of one token's (H, D) head rows (``token_layout``), a run-time argument of the drivers.
 ROWS_STRIDED = 0  # elements of a row not adjacent: strided loops
 ROWS_UNIT = 1  # rows of adjacent elements, heads apart (e.g. a partial-head view)
 TOKEN_BLOCK = 2  # the H rows adjacent too (contiguous x, Q or K of a fused QKV buffer)
