@@ -6,6 +6,8 @@ Groups (each at 1 and 2 threads, GB/s of x read + out written in ``extra_info``)
   and ``apply_rope_cache``;
 - ``... in place, QKV view vs contiguous, paired``: the two in-place calls alternated, their ratio in
   ``extra_info``;
+- ``... out of place vs copy, paired``: the copy, ``rope_ext`` and ``apply_rope_cache`` in each round, the
+  fraction of the copy's bandwidth each reaches in ``extra_info``;
 - ``rope normal`` and ``rope mrope`` (Qwen2-VL sections [16, 24, 24, 0]) out of place;
 - ``rope decode (1,32,128)``: ``apply_rope_cache`` with a prebuilt cache (in place and into a new array) and a
   whole ``rope_ext`` call;
@@ -67,6 +69,39 @@ def test_neox_prefill(benchmark, path, threads):
     }
     measure(benchmark, fns[path], group=f"rope neox ({N},{H},{D}) f32", threads=threads, nbytes=2 * x.nbytes,
             rounds=3 if path == "reference" else None)
+
+
+@pytest.mark.parametrize("threads", THREADS)
+def test_neox_out_of_place_vs_copy_paired(benchmark, threads):
+    """rope_ext and apply_rope_cache out of place against the copy of the same bytes, the three calls in each
+    round (in an order that rotates from round to round): the issue's target is the ratio of the copy's median
+    to the rotation's (``extra_info["copy/rope_ext"]``, ``["copy/apply_rope_cache"]``: the fraction of the copy's
+    bandwidth), which separate benchmarks, minutes apart on this noisy machine, measure poorly."""
+    x = _data((N, H, D))
+    out = np.empty_like(x)
+    pos = np.arange(N, dtype=np.int32)
+    cache = fastattn.rope_cache(pos, **NEOX)
+    numba.set_num_threads(threads)  # for the copy (the fast paths apply the count themselves)
+    calls = {"copy": lambda: _copy_rows(x.reshape(N, H * D), out.reshape(N, H * D)),
+             "rope_ext": lambda: fastattn.rope_ext(x, pos, **NEOX, out=out),
+             "apply_rope_cache": lambda: fastattn.apply_rope_cache(x, cache, out=out)}
+    names = list(calls)
+    times: dict = {name: [] for name in names}
+
+    def all_three():
+        shift = len(times["copy"]) % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - start)
+
+    measure(benchmark, all_three, group=f"rope neox ({N},{H},{D}) f32 out of place vs copy, paired",
+            threads=threads, nbytes=6 * x.nbytes)  # three calls, each reading and writing x's bytes
+    medians = {name: float(np.median(times[name][1:])) for name in names}
+    for name in names:
+        benchmark.extra_info[f"{name}_us"] = round(medians[name] * 1e6, 1)
+    for name in names[1:]:
+        benchmark.extra_info[f"copy/{name}"] = round(medians["copy"] / medians[name], 3)
 
 
 @pytest.mark.parametrize("threads", THREADS)

@@ -19,6 +19,10 @@ def rows(data: dict) -> dict[str, list[tuple[str, int, float, str]]]:
         if "qkv/contiguous" in info:  # the paired in-place RoPE benchmark: its ratio is the figure
             rate = (f"QKV view {info['qkv_us']:.0f} µs / contiguous {info['contiguous_us']:.0f} µs = "
                     f"{info['qkv/contiguous']:.2f}")
+        if "copy/rope_ext" in info:  # the paired out-of-place RoPE benchmark: fractions of the copy's bandwidth
+            rate = (f"copy {info['copy_us']:.0f} µs; rope_ext {info['rope_ext_us']:.0f} µs = "
+                    f"{info['copy/rope_ext']:.0%}, apply_rope_cache {info['apply_rope_cache_us']:.0f} µs = "
+                    f"{info['copy/apply_rope_cache']:.0%} of its bandwidth")
         groups[bench["group"] or ""].append((label, info.get("threads", 0), bench["stats"]["median"], rate))
     return groups
 
