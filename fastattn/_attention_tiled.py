@@ -45,6 +45,7 @@ from numba.extending import intrinsic
 
 from . import _threads
 from ._kernel import assume_contiguous, call_any_layout, fast_exp, fetch_add, kernel, to_f32
+from ._simd import V8, as_int64, const, loop, splat
 
 #: Query rows of one head per tile (a multiple of both register-block dimensions, 6 and 16).
 Q_TILE = 48
@@ -81,68 +82,42 @@ def _block_codegen(a_transposed: bool, scaled_accumulate: bool):
     n_arrays = 4 if scaled_accumulate else 3
 
     def codegen(context, builder, signature, llargs):
-        i64 = ir.IntType(64)
-        i32 = ir.IntType(32)
-        v8 = ir.VectorType(ir.FloatType(), 8)
-        v8p = v8.as_pointer()
         arrs = [context.make_array(t)(context, builder, v)
                 for t, v in zip(signature.args[:n_arrays], llargs[:n_arrays])]
-        row0, col0, k = (context.cast(builder, v, t, types.int64)
+        row0, col0, k = (as_int64(context, builder, v, t)
                          for v, t in zip(llargs[n_arrays:], signature.args[n_arrays:]))
         a, b, c = arrs[:3]
         lda, ldb, ldc = (builder.extract_value(arr.shape, 1) for arr in (a, b, c))
-
-        def const(n):
-            return ir.Constant(i64, n)
-
-        def splat(x):
-            one = builder.insert_element(ir.Constant(v8, ir.Undefined), x, ir.Constant(i32, 0))
-            return builder.shuffle_vector(one, ir.Constant(v8, ir.Undefined), ir.Constant(ir.VectorType(i32, 8),
-                                                                                        [0] * 8))
-
+        v8p = V8.as_pointer()
         rows = [builder.add(row0, const(r)) for r in range(BLOCK_ROWS)]
         if a_transposed:
             a_rows = [builder.gep(a.data, [r]) for r in rows]
         else:
             a_rows = [builder.gep(a.data, [builder.mul(r, lda)]) for r in rows]
-        c_ptrs = [[builder.bitcast(builder.gep(c.data, [builder.add(builder.mul(r, ldc),
-                                                                     builder.add(col0, const(8 * v)))]), v8p)
-                   for v in range(2)] for r in rows]
+        c_ptrs = [builder.bitcast(builder.gep(c.data, [builder.add(builder.mul(r, ldc),
+                                                                    builder.add(col0, const(8 * v)))]), v8p)
+                  for r in rows for v in range(2)]  # C[r, 8v : 8v+8] at 2r + v
         if scaled_accumulate:
             start = []
-            for r, ptrs in zip(rows, c_ptrs):
-                scale = splat(builder.load(builder.gep(arrs[3].data, [r]), align=4))
-                start.append([builder.fmul(builder.load(p, align=4), scale) for p in ptrs])
+            for r in range(BLOCK_ROWS):
+                scale = splat(builder, builder.load(builder.gep(arrs[3].data, [rows[r]]), align=4))
+                start.extend(builder.fmul(builder.load(p, align=4), scale) for p in c_ptrs[2 * r:2 * r + 2])
         else:
-            start = [[ir.Constant(v8, [0.0] * 8)] * 2 for _ in rows]
-        fma = builder.module.declare_intrinsic("llvm.fma.v8f32", (), ir.FunctionType(v8, [v8, v8, v8]))
-        entry = builder.basic_block
-        head = builder.append_basic_block("block.head")
-        body = builder.append_basic_block("block.body")
-        done = builder.append_basic_block("block.done")
-        builder.branch(head)
-        builder.position_at_end(head)
-        kk = builder.phi(i64)
-        kk.add_incoming(const(0), entry)
-        acc = [[builder.phi(v8) for _ in range(2)] for _ in rows]
-        for r in range(BLOCK_ROWS):
-            for v in range(2):
-                acc[r][v].add_incoming(start[r][v], entry)
-        builder.cbranch(builder.icmp_signed("<", kk, k), body, done)
-        builder.position_at_end(body)
-        b_row = builder.gep(b.data, [builder.add(builder.mul(kk, ldb), col0)])
-        bv = [builder.load(builder.bitcast(builder.gep(b_row, [const(8 * v)]), v8p), align=4) for v in range(2)]
-        a_offset = builder.mul(kk, lda) if a_transposed else kk
-        for r in range(BLOCK_ROWS):
-            x = splat(builder.load(builder.gep(a_rows[r], [a_offset]), align=4))
-            for v in range(2):
-                acc[r][v].add_incoming(builder.call(fma, [x, bv[v], acc[r][v]]), body)
-        kk.add_incoming(builder.add(kk, const(1)), body)
-        builder.branch(head)
-        builder.position_at_end(done)
-        for r in range(BLOCK_ROWS):
-            for v in range(2):
-                builder.store(acc[r][v], c_ptrs[r][v], align=4)
+            start = [ir.Constant(V8, [0.0] * 8)] * (2 * BLOCK_ROWS)
+        fma = builder.module.declare_intrinsic("llvm.fma.v8f32", (), ir.FunctionType(V8, [V8, V8, V8]))
+
+        def step(kk, acc):
+            b_row = builder.gep(b.data, [builder.add(builder.mul(kk, ldb), col0)])
+            bv = [builder.load(builder.bitcast(builder.gep(b_row, [const(8 * v)]), v8p), align=4) for v in range(2)]
+            a_offset = builder.mul(kk, lda) if a_transposed else kk
+            out = []
+            for r in range(BLOCK_ROWS):
+                x = splat(builder, builder.load(builder.gep(a_rows[r], [a_offset]), align=4))
+                out.extend(builder.call(fma, [x, bv[v], acc[2 * r + v]]) for v in range(2))
+            return out
+
+        for acc, ptr in zip(loop(builder, const(0), k, const(1), start, step), c_ptrs):
+            builder.store(acc, ptr, align=4)
         return context.get_dummy_value()
 
     return codegen

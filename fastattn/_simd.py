@@ -3,8 +3,8 @@
 Numba's loops are vectorised by LLVM when it can prove they are safe and worth it; a loop that must hold
 vector accumulators across an outer loop, or that runs over a short row many times (paying LLVM's runtime
 overlap checks and set-up each time), is better written as an ``@intrinsic`` that emits the vector code
-itself. These helpers are the pieces such intrinsics share (``_attention_tiled``'s block products predate them
-and carry their own).
+itself. These helpers are the pieces such intrinsics share (``_rope_rotate``, ``_attention_tiled``'s block
+products).
 
 Elements are addressed in the kernel dtypes of ``_kernel``: float32, float16 bits (``uint16``) and bfloat16 bits
 (``int16``). ``load8`` widens 8 consecutive elements to ``<8 x float>`` (``vcvtph2ps`` for float16), ``store8``
