@@ -22,7 +22,7 @@ Algorithm, in two passes:
    row's elements are adjacent (any row stride: contiguous x, Q or K of a fused QKV buffer, a slice of the head
    dim), a token's rows are rotated by explicit 8-wide vector code (``_rope_rotate``), 8 pairs a step, the few
    pairs past the last whole chunk by scalar code; rows with strided elements take strided scalar loops. One
-   driver per (pairing, in place, layout, serial/parallel) keeps only its own loop.
+   driver per (token step, serial/parallel); the pairing, in-place and layout flags are run-time arguments.
 
 Layout: ``x`` (..., N, H, D) with any strides, e.g. Q = ``qkv[:, :H*D].reshape(N, H, D)`` of a fused projection
 output (a no-copy view), is read through its strides: leading axes are merged without a copy when NumPy can,
@@ -270,7 +270,8 @@ def _rotate_rest(src, dst, cos, sin, done, n_pairs, interleaved, in_place):
             if in_place:
                 _rotate_in_place(dst[2 * done:2 * n_pairs], cos[done:], sin[done:], rest, True)
             else:
-                _rotate_into(src[2 * done:2 * n_pairs], dst[2 * done:2 * n_pairs], cos[done:], sin[done:], rest, True)
+                _rotate_into(src[2 * done:2 * n_pairs], dst[2 * done:2 * n_pairs], cos[done:], sin[done:], rest,
+                             True)
         else:
             for p in range(rest):  # the two halves of a split row are n_pairs apart: a few scalar pairs
                 a = to_f32(src[done + p])
