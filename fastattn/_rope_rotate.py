@@ -24,7 +24,7 @@ from __future__ import annotations
 from numba import types
 from numba.extending import intrinsic
 
-from ._simd import (LANES, V8, as_int64, check_array, const, element_stride, load8, loop, shuffle, store8)
+from ._simd import LANES, as_int64, check_array, const, element_stride, load8, loop, shuffle, store8
 
 
 def _rotation_codegen(adjacent: bool):
@@ -38,8 +38,7 @@ def _rotation_codegen(adjacent: bool):
         d_rs = element_stride(builder, dst, 0, d_type)
 
         def angles(p):
-            return (builder.load(builder.bitcast(builder.gep(arr.data, [p]), V8.as_pointer()), align=4)
-                    for arr in (cos, sin))
+            return (load8(builder, types.float32, arr.data, p) for arr in (cos, sin))
 
         def rotate(a, b, c, s):
             return (builder.fsub(builder.fmul(a, c), builder.fmul(b, s)),

@@ -28,12 +28,10 @@ _V8_I32 = ir.VectorType(I32, LANES)
 KERNEL_DTYPES = (types.float32, types.uint16, types.int16)
 
 
-def check_array(name: str, arr, dtypes=KERNEL_DTYPES, ndim: int = 1, contiguous: bool = False) -> None:
-    """Raise a TypingError unless ``arr`` is an ndim-D array of one of ``dtypes`` (C-contiguous if asked)."""
-    if not (isinstance(arr, types.Array) and arr.dtype in dtypes and arr.ndim == ndim
-            and (arr.layout == "C" or not contiguous)):
-        raise TypingError(f"{name}: expected a {'C-contiguous ' if contiguous else ''}{ndim}-D array of "
-                          f"{', '.join(map(str, dtypes))}, got {arr}")
+def check_array(name: str, arr, dtypes=KERNEL_DTYPES, ndim: int = 1) -> None:
+    """Raise a TypingError unless ``arr`` is an ndim-D array (any layout) of one of ``dtypes``."""
+    if not (isinstance(arr, types.Array) and arr.dtype in dtypes and arr.ndim == ndim):
+        raise TypingError(f"{name}: expected a {ndim}-D array of {', '.join(map(str, dtypes))}, got {arr}")
 
 
 def const(n: int):

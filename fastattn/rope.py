@@ -262,8 +262,8 @@ def _copy_tail(src, dst, start):
 
 @numba.njit(**_INLINE)
 def _rotate_rest(src, dst, cos, sin, done, n_pairs, interleaved, in_place):
-    """Pairs done .. n_pairs of one row (those past the vector code's whole chunks), then, out of place, the dims
-    past the rotated span. Views are sliced to start at the first pair, so the loops run from 0."""
+    """Pairs done .. n_pairs of one row (at most 7: those past the vector code's whole chunks), then, out of place,
+    the dims past the rotated span."""
     if done < n_pairs:
         rest = n_pairs - done
         if interleaved:
