@@ -29,6 +29,8 @@ a strided loop.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from numba import carray, types
@@ -89,10 +91,20 @@ def flat_mask(mask):
     return mf, mo, mst, mask.shape[0], mask.shape[1]
 
 
+@functools.lru_cache(maxsize=16)
+def no_sinks(n_heads: int) -> np.ndarray:
+    """(n_heads,) float32 -inf: the sinks of a call without sinks, made once per head count (kernels only read
+    it; writeable like a caller's sinks, so both share one compiled kernel)."""
+    return np.full(n_heads, -np.inf, np.float32)
+
+
 def element_strides(a: np.ndarray) -> np.ndarray:
     """``a`` itself when its strides are whole numbers of elements (every ordinary view), else a C copy."""
     item = a.itemsize
-    return a if not any(s % item for s in a.strides) else np.ascontiguousarray(a)
+    for stride in a.strides:  # a loop, not any(generator): this runs for every input of every call
+        if stride % item:
+            return np.ascontiguousarray(a)
+    return a
 
 
 @kernel(inline=True)

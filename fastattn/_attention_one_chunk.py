@@ -17,7 +17,7 @@ from numba import prange
 
 from . import _threads
 from ._attention_group import (ROWS, element_strides, finalize, flat4, flat_mask, group_rows,
-                               load_group_queries)
+                               load_group_queries, no_sinks)
 from ._kernel import call_any_layout, fetch_add, kernel
 
 #: Query rows per work unit: enough units to balance two threads at small Nq, few enough to amortise the scratch.
@@ -92,7 +92,7 @@ def run_one_chunk(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     Hkv, Nkv = k.shape[1], k.shape[2]
     DV = v.shape[3]
     if sinks is None:
-        sinks = np.full(Hq, -np.inf, np.float32)
+        sinks = no_sinks(Hq)
     sinks = np.ascontiguousarray(sinks)  # Hq floats: contiguous keeps one specialisation
     # Each query row streams the whole K and V of its KV head (from cache after the first rows).
     nbytes = B * Nq * Hkv * Nkv * (DK * k.itemsize + DV * v.itemsize)

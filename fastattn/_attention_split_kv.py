@@ -28,7 +28,7 @@ from numba import prange
 
 from . import _threads
 from ._attention_group import (ROWS, element_strides, finalize, flat4, flat_mask, group_rows,
-                               load_group_queries)
+                               load_group_queries, no_sinks)
 from ._kernel import call_any_layout, fast_exp, fetch_add, kernel
 
 #: Rows per chunk aimed at. Each chunk costs a unit's setup, its partials and a fold step; measured on the
@@ -166,7 +166,7 @@ def run_split_kv(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     Hkv, Nkv = k.shape[1], k.shape[2]
     DV = v.shape[3]
     if sinks is None:
-        sinks = np.full(Hq, -np.inf, np.float32)
+        sinks = no_sinks(Hq)
     sinks = np.ascontiguousarray(sinks)  # Hq floats: contiguous keeps one specialisation
     n_chunks, rows = chunking(Nkv)
     Mp, Sp, Ap = _partials(B, Hkv, n_chunks, Hq // Hkv, DV)

@@ -252,8 +252,17 @@ def call_any_layout(dispatcher, strided, *args):
     arrays (scratch the caller allocates) stay C-contiguous so that loops over them vectorise. The compiled entry
     point is called directly (it accepts C arrays for 'A' parameters), skipping the dispatcher's search.
     """
-    key = (dispatcher,) + tuple((a.dtype, a.ndim, a.flags.writeable, a.flags.c_contiguous)
-                                if isinstance(a, np.ndarray) else type(a) for a in args)
+    key = [dispatcher]
+    for i, a in enumerate(args):  # a plain loop, one flags object per array: decode calls build this key each time
+        if isinstance(a, np.ndarray):
+            flags = a.flags
+            # what typeof reads: the strided positions are typed 'A' whatever their layout, so their contiguity
+            # is not part of the key; the others are typed C, F or A from both contiguity flags
+            key.append((a.dtype, a.ndim, flags.writeable, flags.aligned) if i in strided
+                       else (a.dtype, a.ndim, flags.writeable, flags.aligned, flags.c_contiguous, flags.f_contiguous))
+        else:
+            key.append(type(a))
+    key = tuple(key)
     entry = _any_layout_entries.get(key)
     if entry is None:
         signature = tuple(t.copy(layout="A") if i in strided and isinstance(t, types.Array) else t

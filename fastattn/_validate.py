@@ -6,6 +6,7 @@ so a rejected call leaves its outputs untouched.
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import numpy as np
@@ -32,7 +33,10 @@ def _names(dtypes: Iterable[np.dtype]) -> str:
 def array(name: str, a, *, dtypes: Iterable[np.dtype], ndim: int | None = None, min_ndim: int | None = None
           ) -> np.ndarray:
     """``a`` must be an ndarray of one of ``dtypes`` with ``ndim`` (or at least ``min_ndim``) axes."""
-    dtypes = tuple(np.dtype(d) for d in dtypes)
+    # ``dtype in dtypes`` compares with ==, which takes dtype-likes (np.float32) as well as np.dtype objects; no
+    # conversion up front: every op runs several of these checks per call (decode-sized calls are ~20 us)
+    if not isinstance(dtypes, tuple):
+        dtypes = tuple(dtypes)
     if not isinstance(a, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray of {_names(dtypes)}, got {type(a).__name__}")
     if a.dtype not in dtypes:
@@ -56,10 +60,11 @@ def out_array(name: str, out, *, shape: tuple[int, ...], dtypes: Iterable[np.dty
 
 def real(name: str, value, *, minimum: float | None = None, maximum: float | None = None) -> float:
     """A finite real scalar (Python or NumPy), optionally bounded; returned as a Python float."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not np.isfinite(value):
+    if value.__class__ is not float:  # a Python float (the usual case) needs neither check nor conversion
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+        value = float(value)
+    if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")

@@ -7,7 +7,8 @@ import numba
 import numpy as np
 import pytest
 
-from fastattn._kernel import FASTMATH, KERNEL_OPTIONS, fast_exp, from_f32, kernel, kernel_view, to_f32
+from fastattn._kernel import (FASTMATH, KERNEL_OPTIONS, call_any_layout, fast_exp, from_f32, kernel, kernel_view,
+                              to_f32)
 from fastattn._validate import BFLOAT16
 
 ALL_BITS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
@@ -29,6 +30,16 @@ def _narrow(values, out):
 def _exp_all(x, out):
     for i in range(x.size):
         out[i] = fast_exp(x[i])
+
+
+@kernel
+def _weighted_sum(strided, plain, out):
+    """out[0] = sum of strided[i, j] * (i + 1) + plain[i, j] * (j + 1)."""
+    total = 0.0
+    for i in range(strided.shape[0]):
+        for j in range(strided.shape[1]):
+            total += strided[i, j] * (i + 1) + plain[i, j] * (j + 1)
+    out[0] = total
 
 
 def _same_floats(a, b):
@@ -147,3 +158,19 @@ def test_contiguous_exp_loop_vectorises_to_ymm_fma():
 def test_import_reference_does_not_load_numba():
     code = "import sys, fastattn.reference; assert 'numba' not in sys.modules, 'numba was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_call_any_layout_keys_every_layout_it_types():
+    """One entry per layout typeof tells apart at the positions not typed 'A' (C, F, neither; read-only), and
+    one for every layout at the 'A' positions: each call reads its arrays through their own strides."""
+    base = np.arange(24.0).reshape(4, 6)
+    readonly = base.copy()
+    readonly.flags.writeable = False
+    # C, F, neither (a column slice), read-only; F comes before the slice, which an F entry would misread
+    layouts = [base, np.asfortranarray(base), np.arange(48.0).reshape(4, 12)[:, ::2], readonly]
+    for plain in layouts:
+        for strided in layouts:
+            out = np.zeros(1)
+            call_any_layout(_weighted_sum, (0,), strided, plain, out)
+            i, j = np.indices(plain.shape)
+            assert out[0] == pytest.approx(np.sum(strided * (i + 1) + plain * (j + 1)))
