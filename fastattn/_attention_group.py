@@ -453,5 +453,6 @@ def finalize(m, s, A, a0, DV, sink, of, obase, ocs):
     factor = fast_exp(m - top)  # 0 when m is -inf (only the sink is live: the output is 0)
     total = s * factor + fast_exp(sink - top)
     weight = factor / total
+    acc = A[a0:a0 + DV]
     for d in range(DV):
-        of[obase + d * ocs] = A[a0 + d] * weight
+        of[obase + d * ocs] = acc[d] * weight

@@ -123,9 +123,9 @@ def _fold(Mp, Sp, Ap, sinks, out, bh):
         old = fast_exp(m - top)  # 0 while m is -inf
         new = fast_exp(mc - top)
         s = s * old + Sp[b, kvh, c, g] * new
-        part = Ap[b, kvh, c]
+        part = Ap[b, kvh, c, g * DV:(g + 1) * DV]  # a view from 0: ``part[g * DV + d]`` did not vectorise
         for d in range(DV):
-            acc[d] = acc[d] * old + part[g * DV + d] * new
+            acc[d] = acc[d] * old + part[d] * new
         m = top
     finalize(m, s, acc, 0, DV, sinks[h], of, oo + b * ost[0] + h * ost[2], ost[3])
 
