@@ -33,8 +33,8 @@ def _names(dtypes: Iterable[np.dtype]) -> str:
 def array(name: str, a, *, dtypes: Iterable[np.dtype], ndim: int | None = None, min_ndim: int | None = None
           ) -> np.ndarray:
     """``a`` must be an ndarray of one of ``dtypes`` with ``ndim`` (or at least ``min_ndim``) axes."""
-    # ``dtype in dtypes`` compares with ==, which takes dtype-likes (np.float32) as well as np.dtype objects; no
-    # conversion up front: every op runs several of these checks per call (decode-sized calls are ~20 us)
+    # ``dtype in dtypes`` compares with ==, which takes dtype-likes (np.float32) as well as np.dtype objects: no
+    # conversion up front, as every op runs several of these checks on each call
     if not isinstance(dtypes, tuple):
         dtypes = tuple(dtypes)
     if not isinstance(a, np.ndarray):
