@@ -8,12 +8,18 @@ stays in L3 and the timing is the DRAM-bound one a model sees. GB/s in ``extra_i
 Numba ``prange`` sum), in the same run: the float32 target is >= 70% of it, the float16 target >= 12 GB/s at
 Nkv 4096 with 2 threads.
 
+``test_decode_float32_vs_dram_paired`` calls the DRAM probe, ``auto``, ``split_kv`` and ``one_chunk`` (float32,
+Nkv 4096) in each round, in an order that rotates from round to round, and records the fraction of the probe's
+bandwidth each path reaches (``extra_info["dram/auto"]`` ...): separate benchmarks, a minute apart on this shared
+machine, read the ratio poorly (the probe alone moved between 1.2 and 1.5 ms within the hour).
+
 Run: ``python -m pytest bench/bench_attention_decode.py --benchmark-columns=median,iqr,rounds
 --benchmark-group-by=group``.
 """
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -127,3 +133,42 @@ def test_dram_read_baseline(benchmark, threads):
         return fn()
     measure(benchmark, pinned, group="decode DRAM read baseline", threads=threads, nbytes=layers.bytes,
             rounds=ROUNDS)
+
+
+PAIRED_ROUNDS = 12
+
+
+@pytest.mark.parametrize("threads", THREADS)
+def test_decode_float32_vs_dram_paired(benchmark, threads):
+    """Nkv 4096 float32: the DRAM probe and the three paths, each on the next cold layer, every round."""
+    import numba
+
+    layers = Layers.get(4096, np.float32)
+    q = _query()
+    out = np.empty((1, 1, HQ, D), np.float32)
+
+    def probe(k, v):
+        numba.set_num_threads(threads)
+        return _sum_rows(kernel_view(k).reshape(-1, D)) + _sum_rows(kernel_view(v).reshape(-1, D))
+
+    calls = {"dram": probe}
+    for path in ("auto", "split_kv", "one_chunk"):
+        calls[path] = lambda k, v, path=path: fastattn.flash_attn_ext(q, k, v, scale=SCALE, path=path, out=out)
+    names = list(calls)
+    times: dict = {name: [] for name in names}
+
+    def all_four():
+        shift = len(times["dram"]) % len(names)
+        for name in names[shift:] + names[:shift]:
+            k, v = layers.next()
+            start = time.perf_counter()
+            calls[name](k, v)
+            times[name].append(time.perf_counter() - start)
+
+    measure(benchmark, all_four, group="decode Nkv 4096 float32 vs DRAM read, paired", threads=threads,
+            nbytes=len(names) * layers.bytes, rounds=PAIRED_ROUNDS)
+    medians = {name: float(np.median(times[name][2:])) for name in names}  # past the warm-up calls
+    for name in names:
+        benchmark.extra_info[f"{name}_us"] = round(medians[name] * 1e6, 1)
+    for name in names[1:]:
+        benchmark.extra_info[f"dram/{name}"] = round(medians["dram"] / medians[name], 3)

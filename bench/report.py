@@ -23,6 +23,10 @@ def rows(data: dict) -> dict[str, list[tuple[str, int, float, str]]]:
             rate = (f"copy {info['copy_us']:.0f} µs; rope_ext {info['rope_ext_us']:.0f} µs = "
                     f"{info['copy/rope_ext']:.0%}, apply_rope_cache {info['apply_rope_cache_us']:.0f} µs = "
                     f"{info['copy/apply_rope_cache']:.0%} of its bandwidth")
+        if "dram/auto" in info:  # the paired float32 decode benchmark: fractions of the DRAM probe's bandwidth
+            rate = (f"DRAM read {info['dram_us']:.0f} µs; " + ", ".join(
+                f"{path} {info[path + '_us']:.0f} µs = {info['dram/' + path]:.0%}"
+                for path in ("auto", "split_kv", "one_chunk")) + " of its bandwidth")
         groups[bench["group"] or ""].append((label, info.get("threads", 0), bench["stats"]["median"], rate))
     return groups
 

@@ -306,6 +306,47 @@ def _live_rows(sc, g, width, n, every, dead, rows):
     return n_live
 
 
+@kernel(inline=True)
+def _mask_terms(sc, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb):
+    """sc[g, :n] = slope * mask of head h0 + g over the block's columns jb .. jb+n (nothing without a mask)."""
+    if mf is not None:
+        for g in range(sc.shape[0]):
+            h = h0 + g
+            start = mbase + (h % Hm) * mhs + jb * mcs
+            slope = slopes[h]
+            for r in range(n):
+                sc[g, r] = slope * to_f32(mf[start + r * mcs])
+
+
+@kernel(inline=True)
+def _block_weights(sc, n, M, S, A):
+    """Per head g of sc (G, >= n): rescale S[g] and A's head g to the block's new max, sc[g, :n] = weights."""
+    G = sc.shape[0]
+    DV = A.shape[0] // G
+    for g in range(G):
+        block_max = NEG_INF
+        for r in range(n):
+            block_max = max(block_max, sc[g, r])
+        if block_max == NEG_INF:
+            for r in range(n):
+                sc[g, r] = 0.0
+            continue
+        if block_max > M[g]:
+            factor = fast_exp(M[g] - block_max)  # 0 while M is still -inf
+            S[g] *= factor
+            a0 = g * DV
+            for d in range(DV):
+                A[a0 + d] *= factor
+            M[g] = block_max
+        m = M[g]
+        total = np.float32(0.0)
+        for r in range(n):
+            p = fast_exp(sc[g, r] - m)
+            sc[g, r] = p
+            total += p
+        S[g] += total
+
+
 @kernel
 def load_group_queries(qf, qbase, qhs, qcs, qs):
     """qs[g] = the query row at flat offset qbase + g * qhs (column stride qcs), for the G heads of a group."""
@@ -317,13 +358,19 @@ def load_group_queries(qf, qbase, qhs, qcs, qs):
 
 @kernel
 def group_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs, Hm, slopes, h0, scale, softcap,
-               j0, j1, M, S, A, sc, rows):
+               j0, j1, M, S, A, sc, rows, streaming):
     """Online softmax of a GQA group's heads over KV rows [j0, j1), updating M, S (G,) and A (G * DV,) in place.
 
     ``qs`` (G, DK): the group's query rows (query heads h0 .. h0+G). K row j starts at flat offset
     ``kbase + j * krs`` of ``kf`` (column stride ``kcs``), V likewise. Mask (``mf`` None for no mask): head h,
     column j at ``mbase + (h % Hm) * mhs + j * mcs``. Scratch: ``sc`` (G, ROWS) float32, ``rows`` (ROWS,) int64.
+    ``streaming``: the rows are read this once (decode), not again for other query rows: float32 K/V then take
+    ``stream_rows``.
     """
+    if streaming and kf.itemsize == 4 and vf.itemsize == 4:
+        stream_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs, Hm, slopes, h0, scale,
+                    softcap, j0, j1, M, S, A)
+        return
     G = qs.shape[0]
     DV = A.shape[0] // G
     # software prefetch of rows adjacent in memory (column stride 1) PREFETCH_K / _V bytes ahead
@@ -336,13 +383,7 @@ def group_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs
     for jb in range(j0, j1, ROWS):
         n = min(ROWS, j1 - jb)
         # 1. mask terms (the scores start from them; without a mask the scores are assigned, not added)
-        for g in range(G):
-            if mf is not None:
-                h = h0 + g
-                start = mbase + (h % Hm) * mhs + jb * mcs
-                slope = slopes[h]
-                for r in range(n):
-                    sc[g, r] = slope * to_f32(mf[start + r * mcs])
+        _mask_terms(sc, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb)
         # 2. scores, the group's heads in register blocks against pairs of K rows
         g = 0
         while g < G:
@@ -386,28 +427,7 @@ def group_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs
                     _score(sc, g, r1, _dot1(qs, g, kf, kbase + (jb + r1) * krs, kcs), scale, softcap, mf is None)
             g += width
         # 3. per head: rescale to the new max, turn scores into weights
-        for g in range(G):
-            block_max = NEG_INF
-            for r in range(n):
-                block_max = max(block_max, sc[g, r])
-            if block_max == NEG_INF:
-                for r in range(n):
-                    sc[g, r] = 0.0
-                continue
-            if block_max > M[g]:
-                factor = fast_exp(M[g] - block_max)  # 0 while M is still -inf
-                S[g] *= factor
-                a0 = g * DV
-                for d in range(DV):
-                    A[a0 + d] *= factor
-                M[g] = block_max
-            m = M[g]
-            total = np.float32(0.0)
-            for r in range(n):
-                p = fast_exp(sc[g, r] - m)
-                sc[g, r] = p
-                total += p
-            S[g] += total
+        _block_weights(sc, n, M, S, A)
         # 4. A += p v, same head blocks, V rows by fours then pairs
         g = 0
         while g < G:
@@ -437,6 +457,77 @@ def group_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs
                     r1 = rows[x]
                     _axpy1(A, g * DV, DV, sc[g, r1], vf, vbase + (jb + r1) * vrs, vcs)
             g += width
+
+
+@kernel(inline=True)
+def _scores_of_row(qs, kf, o, kcs, sc, r, scale, softcap, unmasked):
+    """sc[:, r] (+)= the logits of K row at flat offset o for every head of the group (heads by fours)."""
+    G = qs.shape[0]
+    g = 0
+    while g + 4 <= G:
+        s0, s1, s2, s3 = _dot4(qs, g, kf, o, kcs)
+        _score(sc, g, r, s0, scale, softcap, unmasked)
+        _score(sc, g + 1, r, s1, scale, softcap, unmasked)
+        _score(sc, g + 2, r, s2, scale, softcap, unmasked)
+        _score(sc, g + 3, r, s3, scale, softcap, unmasked)
+        g += 4
+    while g < G:
+        _score(sc, g, r, _dot1(qs, g, kf, o, kcs), scale, softcap, unmasked)
+        g += 1
+
+
+@kernel(inline=True)
+def _values_of_row(A, DV, p, r, vf, o, vcs):
+    """A[g] += p[g, r] V row at flat offset o for every head g of the group (heads by fours)."""
+    G = p.shape[0]
+    g = 0
+    while g + 4 <= G:
+        _axpy4(A, g * DV, DV, p, g, r, vf, o, vcs)
+        g += 4
+    while g < G:
+        _axpy1(A, g * DV, DV, p[g, r], vf, o, vcs)
+        g += 1
+
+
+@kernel
+def stream_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs, Hm, slopes, h0, scale, softcap,
+                j0, j1, M, S, A):
+    """``group_rows`` for float32 K/V read once (decode), with K and V read side by side.
+
+    Blocks of ROWS rows again, but the V rows of block b are consumed in the same row loop as the K rows of
+    block b + 1: each iteration scores one K row of the new block for every head, then adds one V row of the
+    previous block (its weights are known) to every head's A. So both row streams are read all the time, where
+    group_rows reads a block's K rows, then computes, then reads its V rows. Cold (decode Nkv 4096 float32), a
+    plain kernel of each shape reached 80-84% and 70-73% of the DRAM read bandwidth at 1 and 2 threads
+    (docs/attention.md, seventh session). Rows one at a time, no software prefetch: with it, and with row pairs,
+    the plain kernel was slower. The weights of block b are final before block b + 1's max can rescale A,
+    because every V row of block b is added within block b + 1's row loop, before its softmax step.
+    """
+    G = qs.shape[0]
+    DV = A.shape[0] // G
+    unmasked = mf is None
+    cur = np.empty((G, ROWS), np.float32)  # scores, then weights, of the block being scored
+    prev = np.empty((G, ROWS), np.float32)  # weights of the block whose V rows are being added
+    cur_rows = np.empty(ROWS, np.int64)  # its rows to score, then its rows of nonzero weight
+    prev_rows = np.empty(ROWS, np.int64)
+    n_prev = 0  # rows of ``prev`` still to add
+    prev_jb = j0
+    for jb in range(j0, j1 + ROWS, ROWS):
+        n = max(0, min(ROWS, j1 - jb))  # 0: the pass after the last block, adding its V rows only
+        _mask_terms(cur, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb)
+        n_cur = _live_rows(cur, 0, G, n, unmasked, NEG_INF, cur_rows)
+        for x in range(max(n_cur, n_prev)):
+            if x < n_cur:
+                r = cur_rows[x]
+                _scores_of_row(qs, kf, kbase + (jb + r) * krs, kcs, cur, r, scale, softcap, unmasked)
+            if x < n_prev:
+                r = prev_rows[x]
+                _values_of_row(A, DV, prev, r, vf, vbase + (prev_jb + r) * vrs, vcs)
+        _block_weights(cur, n, M, S, A)
+        n_prev = _live_rows(cur, 0, G, n, unmasked, np.float32(0.0), cur_rows)
+        cur, prev = prev, cur
+        cur_rows, prev_rows = prev_rows, cur_rows
+        prev_jb = jb
 
 
 @kernel

@@ -59,7 +59,7 @@ def _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, u):
         S[:] = 0.0
         A[:] = 0.0
         group_rows(qs, kf, kbase, kst[2], kst[3], vf, vbase, vst[2], vst[3], mf, mo + (b % Bm) * mst[0] + i * mst[2],
-                   mst[1], mst[3], Hm, slopes, h0, scale, softcap, 0, Nkv, M, S, A, sc, rows)
+                   mst[1], mst[3], Hm, slopes, h0, scale, softcap, 0, Nkv, M, S, A, sc, rows, Nq == 1)
         for g in range(G):
             finalize(M[g], S[g], A, g * DV, DV, sinks[h0 + g], of, oo + b * ost[0] + i * ost[1] + (h0 + g) * ost[2],
                      ost[3])

@@ -98,7 +98,7 @@ def _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, u):
     A = np.zeros(Ap.shape[3], np.float32)
     group_rows(qs, kf, ko + kb * kst[0] + kvh * kst[1], kst[2], kst[3], vf, vo + kb * vst[0] + kvh * vst[1], vst[2],
                vst[3], mf, mo + (b % Bm) * mst[0], mst[1], mst[3], Hm, slopes, h0, scale, softcap, c * rows,
-               min(Nkv, (c + 1) * rows), M, S, A, sc, live)
+               min(Nkv, (c + 1) * rows), M, S, A, sc, live, True)
     Ap[b, kvh, c] = A
 
 
