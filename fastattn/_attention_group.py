@@ -497,11 +497,12 @@ def stream_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mc
     Blocks of ROWS rows again, but the V rows of block b are consumed in the same row loop as the K rows of
     block b + 1: each iteration scores one K row of the new block for every head, then adds one V row of the
     previous block (its weights are known) to every head's A. So both row streams are read all the time, where
-    group_rows reads a block's K rows, then computes, then reads its V rows. Cold (decode Nkv 4096 float32), a
-    plain kernel of each shape reached 80-84% and 70-73% of the DRAM read bandwidth at 1 and 2 threads
-    (docs/attention.md, seventh session). Rows one at a time, no software prefetch: with it, and with row pairs,
-    the plain kernel was slower. The weights of block b are final before block b + 1's max can rescale A,
-    because every V row of block b is added within block b + 1's row loop, before its softmax step.
+    group_rows reads a block's K rows, then computes, then reads its V rows. Cold (decode Nkv 4096 float32, 2
+    threads), a plain kernel reading the rows side by side reached 80-84% of a DRAM probe's bandwidth where one
+    reading them block after block reached 70-73% (docs/attention.md, seventh session). Rows one at a time, no
+    software prefetch: with prefetch, or with row pairs, it was slower. The weights of block b are final before
+    block b + 1's max can rescale A, because every V row of block b is added within block b + 1's row loop,
+    before its softmax step.
     """
     G = qs.shape[0]
     DV = A.shape[0] // G
