@@ -117,20 +117,21 @@ def _sum_rows(a):
     return total
 
 
+def _dram_read(k, v, threads: int):
+    """The DRAM probe over one layer's K and V, on ``threads`` threads (Numba's own count: a plain prange)."""
+    import numba
+
+    numba.set_num_threads(threads)
+    return _sum_rows(kernel_view(k).reshape(-1, D)) + _sum_rows(kernel_view(v).reshape(-1, D))
+
+
 @pytest.mark.parametrize("threads", THREADS)
 def test_dram_read_baseline(benchmark, threads):
     """DRAM read bandwidth over cold float32 buffers (the Nkv 4096 float32 layers: 32 MiB each)."""
     layers = Layers.get(4096, np.float32)
 
-    def fn():
-        k, v = layers.next()
-        return _sum_rows(kernel_view(k).reshape(-1, D)) + _sum_rows(kernel_view(v).reshape(-1, D))
-
-    import numba
-
     def pinned():
-        numba.set_num_threads(threads)
-        return fn()
+        return _dram_read(*layers.next(), threads)
     measure(benchmark, pinned, group="decode DRAM read baseline", threads=threads, nbytes=layers.bytes,
             rounds=ROUNDS)
 
@@ -141,17 +142,10 @@ PAIRED_ROUNDS = 12
 @pytest.mark.parametrize("threads", THREADS)
 def test_decode_float32_vs_dram_paired(benchmark, threads):
     """Nkv 4096 float32: the DRAM probe and the three paths, each on the next cold layer, every round."""
-    import numba
-
     layers = Layers.get(4096, np.float32)
     q = _query()
     out = np.empty((1, 1, HQ, D), np.float32)
-
-    def probe(k, v):
-        numba.set_num_threads(threads)
-        return _sum_rows(kernel_view(k).reshape(-1, D)) + _sum_rows(kernel_view(v).reshape(-1, D))
-
-    calls = {"dram": probe}
+    calls = {"dram": lambda k, v: _dram_read(k, v, threads)}
     for path in ("auto", "split_kv", "one_chunk"):
         calls[path] = lambda k, v, path=path: fastattn.flash_attn_ext(q, k, v, scale=SCALE, path=path, out=out)
     names = list(calls)

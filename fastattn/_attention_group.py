@@ -369,7 +369,7 @@ def group_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs
     """
     if streaming and kf.itemsize == 4 and vf.itemsize == 4:
         stream_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs, Hm, slopes, h0, scale,
-                    softcap, j0, j1, M, S, A)
+                    softcap, j0, j1, M, S, A, sc, rows)
         return
     G = qs.shape[0]
     DV = A.shape[0] // G
@@ -491,7 +491,7 @@ def _values_of_row(A, DV, p, r, vf, o, vcs):
 
 @kernel
 def stream_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs, Hm, slopes, h0, scale, softcap,
-                j0, j1, M, S, A):
+                j0, j1, M, S, A, sc, rows):
     """``group_rows`` for float32 K/V read once (decode), with K and V read side by side.
 
     Blocks of ROWS rows again, but the V rows of block b are consumed in the same row loop as the K rows of
@@ -507,9 +507,10 @@ def stream_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mc
     G = qs.shape[0]
     DV = A.shape[0] // G
     unmasked = mf is None
-    cur = np.empty((G, ROWS), np.float32)  # scores, then weights, of the block being scored
+    # the caller's scratch (sc, rows) and a second pair, swapped after every block
+    cur = sc  # scores, then weights, of the block being scored
     prev = np.empty((G, ROWS), np.float32)  # weights of the block whose V rows are being added
-    cur_rows = np.empty(ROWS, np.int64)  # its rows to score, then its rows of nonzero weight
+    cur_rows = rows  # its rows to score, then its rows of nonzero weight
     prev_rows = np.empty(ROWS, np.int64)
     n_prev = 0  # rows of ``prev`` still to add
     prev_jb = j0
