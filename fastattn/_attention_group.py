@@ -33,11 +33,13 @@ import functools
 
 import numpy as np
 
+from llvmlite import ir
 from numba import carray, types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from ._kernel import fast_exp, kernel, prefetch, to_f32
+from ._simd import KERNEL_DTYPES, V8, as_int64, const, load8, loop, splat
 
 #: KV rows per block: 32 rows of K and of V (8-16 KiB each at D 128) stay in L1 across the group's head blocks.
 ROWS = 32
@@ -48,6 +50,11 @@ NEG_INF = np.float32(-np.inf)
 #: dot products (a few per row pair), not issued as a burst per block, which had made the loop 15-30% slower.
 PREFETCH_K = 32768
 PREFETCH_V = 16384
+#: ``stream_rows`` by column slices: V columns per ``_values_columns`` call (two 8-wide vectors per head), one
+#: slice after every COLUMN_EVERY scored K rows, and K rows prefetched this many rows ahead of the row scored.
+VALUE_COLUMNS = 16
+COLUMN_EVERY = 4
+STREAM_K_AHEAD = 64
 
 
 @intrinsic
@@ -489,20 +496,107 @@ def _values_of_row(A, DV, p, r, vf, o, vcs):
         g += 1
 
 
+def _values_columns_codegen(n_heads: int):
+    """LLVM IR for ``_values_columns4`` / ``_values_columns1``: n_heads x 2 accumulators in registers."""
+    def codegen(context, builder, signature, llargs):
+        A, p, rows, vf = (context.make_array(t)(context, builder, v)
+                          for t, v in zip(signature.args[:4], llargs[:4]))
+        v_dtype = signature.args[3].dtype
+        g, DV, n, vbase, vrs, c0 = (as_int64(context, builder, v, t)
+                                    for v, t in zip(llargs[4:], signature.args[4:]))
+        ldp = builder.extract_value(p.shape, 1)
+        v8p = V8.as_pointer()
+        a_ptrs, p_rows = [], []
+        for h in range(n_heads):
+            head = builder.add(g, const(h))
+            start = builder.add(builder.mul(head, DV), c0)
+            a_ptrs += [builder.bitcast(builder.gep(A.data, [builder.add(start, const(8 * v))]), v8p) for v in range(2)]
+            p_rows.append(builder.gep(p.data, [builder.mul(head, ldp)]))
+        fma = builder.module.declare_intrinsic("llvm.fma.v8f32", (), ir.FunctionType(V8, [V8, V8, V8]))
+
+        def step(x, acc):
+            r = builder.load(builder.gep(rows.data, [x]), align=8)
+            row = builder.add(vbase, builder.add(builder.mul(r, vrs), c0))
+            vv = [load8(builder, v_dtype, vf.data, builder.add(row, const(8 * v))) for v in range(2)]
+            out = []
+            for h in range(n_heads):
+                w = splat(builder, builder.load(builder.gep(p_rows[h], [r]), align=4))
+                out += [builder.call(fma, [w, vv[v], acc[2 * h + v]]) for v in range(2)]
+            return out
+
+        start = [builder.load(ptr, align=4) for ptr in a_ptrs]
+        for acc, ptr in zip(loop(builder, const(0), n, const(1), start, step), a_ptrs):
+            builder.store(acc, ptr, align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _check_values_columns(A, p, rows, vf):
+    def is_c(arr, dtype, ndim):
+        return isinstance(arr, types.Array) and arr.dtype == dtype and arr.layout == "C" and arr.ndim == ndim
+    if not (is_c(A, types.float32, 1) and is_c(p, types.float32, 2) and is_c(rows, types.int64, 1)
+            and any(is_c(vf, dtype, 1) for dtype in KERNEL_DTYPES)):
+        raise TypingError("_values_columns: A 1-D C float32, p 2-D C float32, rows 1-D C int64, vf 1-D C float32 "
+                          "or float16 / bfloat16 bits")
+
+
+@intrinsic
+def _values_columns4(typingctx, A, p, rows, vf, g, DV, n, vbase, vrs, c0):
+    """For heads h = g .. g+3 and the 16 columns c0 .. c0+15: A[h*DV + c] += p[h, r] * V(vf[vbase + r*vrs + c])
+    for r = rows[0], .., rows[n-1] in that order, one FMA per row (the roundings of ``_axpy4`` row after row),
+    the 8 accumulators held in registers across the rows: A is loaded and stored once per call. V(.) widens
+    float16 / bfloat16 bits exactly (``_simd.load8``)."""
+    _check_values_columns(A, p, rows, vf)
+    return types.none(A, p, rows, vf, g, DV, n, vbase, vrs, c0), _values_columns_codegen(4)
+
+
+@intrinsic
+def _values_columns1(typingctx, A, p, rows, vf, g, DV, n, vbase, vrs, c0):
+    """``_values_columns4`` for the one head g."""
+    _check_values_columns(A, p, rows, vf)
+    return types.none(A, p, rows, vf, g, DV, n, vbase, vrs, c0), _values_columns_codegen(1)
+
+
+@kernel(inline=True)
+def _values_of_columns(A, DV, p, rows, n, vf, vbase, vrs, c0):
+    """Columns c0 .. c0+15 of every head's A += the weighted V rows ``rows[:n]`` (heads by fours)."""
+    G = p.shape[0]
+    g = 0
+    while g + 4 <= G:
+        _values_columns4(A, p, rows, vf, g, DV, n, vbase, vrs, c0)
+        g += 4
+    while g < G:
+        _values_columns1(A, p, rows, vf, g, DV, n, vbase, vrs, c0)
+        g += 1
+
+
 @kernel
 def stream_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs, Hm, slopes, h0, scale, softcap,
                 j0, j1, M, S, A, sc, rows):
     """``group_rows`` for float32 K/V read once (decode), with K and V read side by side.
 
     Blocks of ROWS rows again, but the V rows of block b are consumed in the same row loop as the K rows of
-    block b + 1: each iteration scores one K row of the new block for every head, then adds one V row of the
-    previous block (its weights are known) to every head's A. So both row streams are read all the time, where
-    group_rows reads a block's K rows, then computes, then reads its V rows. Cold (decode Nkv 4096 float32, 2
-    threads), a plain kernel reading the rows side by side reached 80-84% of a DRAM probe's bandwidth where one
-    reading them block after block reached 70-73% (docs/attention.md, seventh session). Rows one at a time, no
-    software prefetch: with prefetch, or with row pairs, it was slower. The weights of block b are final before
-    block b + 1's max can rescale A, because every V row of block b is added within block b + 1's row loop,
-    before its softmax step.
+    block b + 1, so both row streams are read all the time (group_rows reads a block's K rows, computes, then
+    reads its V rows). The weights of block b are final before block b + 1's max can rescale A, because all of
+    block b's V rows are added within block b + 1's row loop, before its softmax step.
+
+    Each iteration scores one K row of the new block for every head (heads by fours). The V rows of block b are
+    added in one of two ways, with the same FMAs in the same row order (bit-identical results):
+
+    - by column slices (V rows of unit column stride, DV a multiple of VALUE_COLUMNS): after every
+      COLUMN_EVERY K rows, ``_values_columns4`` adds one 16-column slice of every V row of block b, holding the
+      slice's accumulators in registers across the rows, so A is loaded and stored once per slice and block
+      instead of once per row (the per-row update is bound by its 256-bit stores). Reading V by slices defeats
+      the hardware prefetchers, so each iteration prefetches the V row of the same index in the block being
+      scored (added one block later) and the K row STREAM_K_AHEAD rows ahead. Eighth session, decode 32/8
+      heads, D 128, one process alternating old and new per call: warm (Nkv 1024, in L3), 1 thread, 640 ->
+      539 and 1064 -> 868 µs in two processes; cold (Nkv 4096, 256 MiB of layers), 2 threads, within the noise
+      of the row-by-row loop to a few points better (docs/attention.md). Without the prefetches the slices
+      ran cold at 35-43% of the DRAM probe against 53-70%;
+    - row by row otherwise: one V row of block b per iteration added to every head's A (``_axpy4``).
+      Seventh session: a plain kernel reading the rows side by side reached 80-84% of a DRAM probe's
+      bandwidth where one reading them block after block reached 70-73%; row pairs were slower.
     """
     G = qs.shape[0]
     DV = A.shape[0] // G
@@ -514,17 +608,41 @@ def stream_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mc
     prev_rows = np.empty(ROWS, np.int64)
     n_prev = 0  # rows of ``prev`` still to add
     prev_jb = j0
+    # V rows of unit column stride and whole 16-column slices: by column slices (see the docstring)
+    by_columns = vcs == 1 and DV % VALUE_COLUMNS == 0
+    n_slices = DV // VALUE_COLUMNS
+    v_step = 64 // vf.itemsize  # elements per 64-byte line
+    k_step = 64 // kf.itemsize
+    v_lines = -(-DV // v_step)
+    k_lines = -(-qs.shape[1] // k_step) if kcs == 1 else 0
     for jb in range(j0, j1 + ROWS, ROWS):
         n = max(0, min(ROWS, j1 - jb))  # 0: the pass after the last block, adding its V rows only
         _mask_terms(cur, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb)
         n_cur = _live_rows(cur, 0, G, n, unmasked, NEG_INF, cur_rows)
-        for x in range(max(n_cur, n_prev)):
-            if x < n_cur:
+        if by_columns:
+            done = 0  # column slices of the previous block's V rows added so far
+            for x in range(n_cur):
                 r = cur_rows[x]
                 _scores_of_row(qs, kf, kbase + (jb + r) * krs, kcs, cur, r, scale, softcap, unmasked)
-            if x < n_prev:
-                r = prev_rows[x]
-                _values_of_row(A, DV, prev, r, vf, vbase + (prev_jb + r) * vrs, vcs)
+                # this block's V row (added during the next block) and a K row STREAM_K_AHEAD rows on
+                _prefetch_row(vf, vbase + (jb + r) * vrs, v_lines, v_step)
+                _prefetch_row(kf, kbase + (jb + r + STREAM_K_AHEAD) * krs, k_lines, k_step)
+                if x % COLUMN_EVERY == COLUMN_EVERY - 1 and done < n_slices and n_prev > 0:
+                    _values_of_columns(A, DV, prev, prev_rows, n_prev, vf, vbase + prev_jb * vrs, vrs,
+                                       done * VALUE_COLUMNS)
+                    done += 1
+            while done < n_slices and n_prev > 0:
+                _values_of_columns(A, DV, prev, prev_rows, n_prev, vf, vbase + prev_jb * vrs, vrs,
+                                   done * VALUE_COLUMNS)
+                done += 1
+        else:
+            for x in range(max(n_cur, n_prev)):
+                if x < n_cur:
+                    r = cur_rows[x]
+                    _scores_of_row(qs, kf, kbase + (jb + r) * krs, kcs, cur, r, scale, softcap, unmasked)
+                if x < n_prev:
+                    r = prev_rows[x]
+                    _values_of_row(A, DV, prev, r, vf, vbase + (prev_jb + r) * vrs, vcs)
         _block_weights(cur, n, M, S, A)
         n_prev = _live_rows(cur, 0, G, n, unmasked, np.float32(0.0), cur_rows)
         cur, prev = prev, cur
