@@ -591,8 +591,9 @@ def stream_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mc
       the hardware prefetchers, so each iteration prefetches the V row of the same index in the block being
       scored (added one block later) and the K row STREAM_K_AHEAD rows ahead. Eighth session, decode 32/8
       heads, D 128, one process alternating old and new per call: warm (Nkv 1024, in L3), 1 thread, 640 ->
-      539 and 1064 -> 868 µs in two processes; cold (Nkv 4096, 256 MiB of layers), 2 threads, within the noise
-      of the row-by-row loop to a few points better (docs/attention.md). Without the prefetches the slices
+      539 and 1064 -> 868 µs in two processes (K 32 rows ahead; 64, kept, was as good cold); cold (Nkv
+      4096, 256 MiB of layers), 2 threads, within the noise of the row-by-row loop to a few points better
+      (docs/attention.md). Without the prefetches the slices
       ran cold at 35-43% of the DRAM probe against 53-70%;
     - row by row otherwise: one V row of block b per iteration added to every head's A (``_axpy4``).
       Seventh session: a plain kernel reading the rows side by side reached 80-84% of a DRAM probe's
