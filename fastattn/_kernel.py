@@ -21,6 +21,7 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types, typeof
+from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, overload
@@ -223,6 +224,26 @@ def fetch_add(typingctx, counter):
         return builder.atomic_rmw("add", data, ir.Constant(ir.IntType(64), 1), "monotonic")
 
     return types.int64(counter), codegen
+
+
+@intrinsic
+def use_threads(typingctx, n):
+    """``numba.set_num_threads(n)`` from inside a kernel, before its ``prange``: the call on the Python side costs
+    1.7 us, 10-15 us right after a large kernel has flushed the caches (docs/rope.md). Numba's own overload of it
+    calls through a ctypes pointer, which keeps the kernel from being cached; this calls the threading layer's
+    ``set_num_threads`` symbol (registered by Numba when it starts its threads, as for every ``prange`` kernel).
+    ``n`` must be in [1, NUMBA_NUM_THREADS]: the caller's ``_threads.get_num_threads()``."""
+    if not isinstance(n, types.Integer):
+        raise TypingError("use_threads: expected an integer")
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i32]),
+                                            "set_num_threads")
+        builder.call(fn, [builder.trunc(args[0], i32)])
+        return context.get_dummy_value()
+
+    return types.none(n), codegen
 
 
 # ---------------------------------------------------------------------------------------------------------------

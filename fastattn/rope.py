@@ -53,13 +53,15 @@ from numba.extending import overload
 from . import _threads
 from ._dispatch import FastPath, aligned, array_type, meta, overlaps, same_view, unit_rows
 from ._args import rope as _args
-from ._kernel import KERNEL_OPTIONS, assume_contiguous, fetch_add, from_f32, kernel_view, prefetch, to_f32
+from ._kernel import (KERNEL_OPTIONS, assume_contiguous, fetch_add, from_f32, kernel_view, prefetch, to_f32,
+                      use_threads)
 from ._modes import RopeMode
 from ._rope_rotate import rotate_rows_adjacent, rotate_rows_split
 from ._simd import LANES
 from ._validate import FLOAT32, STORAGE_FLOATS
 
 _ND = np.ndarray
+_INT32 = np.dtype(np.int32)
 
 # ---------------------------------------------------------------------------------------------------------------
 # float64 sin/cos that vectorise: Cody-Waite reduction by pi/2 split in three parts. The first two parts carry
@@ -363,58 +365,133 @@ def _cache_write_step(x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_
         _rope_block(x[0, n], out[idx[n]], cache_row, n_pairs, interleaved, False, layout)
 
 
+def _step(x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layout):
+    """Token n: ``_rotate_step`` when idx is None, else ``_cache_write_step`` (chosen from idx's type when a
+    driver compiles, so each compiled driver holds only one step's loop)."""
+
+
+@overload(_step, inline="always")
+def _step_impl(x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layout):
+    if isinstance(idx, types.NoneType):
+        return lambda x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layout: _rotate_step(
+            x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layout)
+    return lambda x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layout: _cache_write_step(
+        x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layout)
+
+
+# The drivers are module-level functions, not closures made per step: Numba's cache key of a closure pickles its
+# cell contents, and a pickled dispatcher differs from process to process, so a closure over a step was compiled
+# again in every process (10-16 s per driver) instead of being loaded from the cache.
 #: Tokens per task of the parallel drivers: threads take tasks from a shared counter (``_kernel.fetch_add``), so
 #: a thread slowed down by another process runs fewer of them. 8 tokens x 32 heads x 128 dims is ~32 KiB of x.
 TOKENS_PER_TASK = 8
 
 
-@functools.cache
-def _driver(step, parallel: bool):
-    """The kernel ``(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout)`` running ``step`` on every
-    token of x (B, N, H, D) with its row of cs (N, 2·n_pairs) float32 (cos then sin) (made once per step). In
-    parallel, ``(next_task, n_threads)`` follow: a zeroed int64 counter and the thread count; the threads take
-    tasks of TOKENS_PER_TASK tokens from the counter."""
-    if parallel:
-        @numba.njit(parallel=True, **_EXACT)
-        def drive(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout, next_task, n_threads):
-            n_tasks = (x.shape[1] + TOKENS_PER_TASK - 1) // TOKENS_PER_TASK
-            for _ in prange(n_threads):
-                task = fetch_add(next_task)
-                while task < n_tasks:
-                    for n in range(task * TOKENS_PER_TASK, min(x.shape[1], (task + 1) * TOKENS_PER_TASK)):
-                        step(x, out, idx, keep, n, cs[n], n_pairs, interleaved, in_place, layout)
-                    task = fetch_add(next_task)
-    else:
-        @numba.njit(**_EXACT)
-        def drive(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout):
-            for n in range(x.shape[1]):
-                step(x, out, idx, keep, n, cs[n], n_pairs, interleaved, in_place, layout)
-    return drive
+@numba.njit(**_EXACT)
+def _drive_serial(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout):
+    """``_step`` on every token of x (B, N, H, D) with its row of cs (N, 2·n_pairs) float32 (cos then sin)."""
+    for n in range(x.shape[1]):
+        _step(x, out, idx, keep, n, cs[n], n_pairs, interleaved, in_place, layout)
 
 
-@functools.cache
-def _fused_driver(step):
-    """``_driver`` on threads with the cos/sin made inside the same pass: ``(x, out, idx, keep, pos, streams, w,
-    step_cos, step_sin, cos_scale, sin_scale, interleaved, in_place, layout, next_task, n_threads)``. A task is
-    one CACHE_BLOCK of tokens: its cos/sin go to the thread's scratch (exactly the values ``rope_cache`` would
-    store: same blocks, same code), then its tokens are stepped through while the scratch is in L1."""
-    @numba.njit(parallel=True, **_EXACT)
-    def drive(x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved, in_place,
-              layout, next_task, n_threads):
-        n_tokens = x.shape[1]
-        n_pairs = w.shape[0]
-        n_tasks = (n_tokens + CACHE_BLOCK - 1) // CACHE_BLOCK
-        for _ in prange(n_threads):
-            cs = np.empty((CACHE_BLOCK, 2 * n_pairs), np.float32)
+@numba.njit(parallel=True, **_EXACT)
+def _drive_parallel(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout, next_task, n_threads):
+    """``_drive_serial`` on ``n_threads`` threads, which take tasks of TOKENS_PER_TASK tokens from
+    ``next_task`` (a zeroed int64 counter)."""
+    n_tasks = (x.shape[1] + TOKENS_PER_TASK - 1) // TOKENS_PER_TASK
+    for _ in prange(n_threads):
+        task = fetch_add(next_task)
+        while task < n_tasks:
+            for n in range(task * TOKENS_PER_TASK, min(x.shape[1], (task + 1) * TOKENS_PER_TASK)):
+                _step(x, out, idx, keep, n, cs[n], n_pairs, interleaved, in_place, layout)
             task = fetch_add(next_task)
-            while task < n_tasks:
-                n0 = task * CACHE_BLOCK
-                n1 = min(n_tokens, n0 + CACHE_BLOCK)
-                _cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, n0, n1)
-                for n in range(n0, n1):
-                    step(x, out, idx, keep, n, cs[n - n0], n_pairs, interleaved, in_place, layout)
-                task = fetch_add(next_task)
-    return drive
+
+
+@numba.njit(parallel=True, **_EXACT)
+def _drive_fused(x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
+                 in_place, layout, next_task, n_threads):
+    """``_drive_parallel`` with the cos/sin made inside the same pass. A task is one CACHE_BLOCK of tokens: its
+    cos/sin go to the thread's scratch (exactly the values ``rope_cache`` would store: same blocks, same code),
+    then its tokens are stepped through while the scratch is in L1."""
+    n_tokens = x.shape[1]
+    n_pairs = w.shape[0]
+    n_tasks = (n_tokens + CACHE_BLOCK - 1) // CACHE_BLOCK
+    for _ in prange(n_threads):
+        cs = np.empty((CACHE_BLOCK, 2 * n_pairs), np.float32)
+        task = fetch_add(next_task)
+        while task < n_tasks:
+            n0 = task * CACHE_BLOCK
+            n1 = min(n_tokens, n0 + CACHE_BLOCK)
+            _cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, n0, n1)
+            for n in range(n0, n1):
+                _step(x, out, idx, keep, n, cs[n - n0], n_pairs, interleaved, in_place, layout)
+            task = fetch_add(next_task)
+
+
+@numba.njit(**_INLINE)
+def _token_layout_of(mx, mo, head_dim):
+    """``token_layout`` of two (N, H, D) arrays from their ``meta``."""
+    (_, _, strides_x, item_x), (_, _, strides_o, item_o) = mx, mo
+    if strides_x[2] != item_x or strides_o[2] != item_o:
+        return ROWS_STRIDED
+    if strides_x[1] == head_dim * item_x and strides_o[1] == head_dim * item_o:
+        return TOKEN_BLOCK
+    return ROWS_UNIT
+
+
+@numba.njit(**_EXACT)
+def _rope_ext_prefill(x, out, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved, n_dims,
+                      min_bytes, n_threads):
+    """``rope_ext`` of x (N, H, D) into out (x itself in place) at int32 positions pos (N,), NORMAL or NEOX,
+    on ``n_threads`` threads, cos/sin made in the same pass (``_drive_fused``). Returns False, having written
+    nothing, unless out has x's shape, pos one position per token, n_dims <= D, at least ``min_bytes`` move over
+    two cache blocks of tokens or more, every array is aligned, and out is x or overlaps nothing of it."""
+    n_tokens, _, head_dim = x.shape
+    if (out.shape != x.shape or pos.shape[0] != n_tokens or head_dim < n_dims or n_tokens < 2 * CACHE_BLOCK
+            or 2 * x.size * x.itemsize < min_bytes):
+        return False
+    mx, mo = meta(x), meta(out)
+    in_place = same_view(mo, mx)
+    if (overlaps(mo, mx) and not in_place) or not (aligned(mx) and aligned(mo) and aligned(meta(pos))):
+        return False
+    use_threads(n_threads)
+    _drive_fused(x[np.newaxis], out[np.newaxis], None, None, pos[np.newaxis], streams, w, step_cos, step_sin,
+                 cos_scale, sin_scale, interleaved, in_place, _token_layout_of(mx, mo, head_dim),
+                  np.zeros(1, np.int64), n_threads)
+    return True
+
+
+#: entry points of ``_rope_ext_prefill``, keyed on x.dtype
+_fast_prefill = FastPath(_rope_ext_prefill)
+#: What a prefill-sized ``rope_ext`` call needs besides its arrays, keyed on its scalar arguments and their
+#: classes (``_prefill_key``), recorded after the general path accepted them: (params, the kernel's arguments).
+_prefill_plans: dict = {}
+_PREFILL_PLANS_MAX = 64
+
+
+def _prefill_key(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
+                 backward) -> tuple:
+    """The scalar arguments with their classes: 2, 2.0 and True are one dict key, but not equally valid."""
+    return (n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
+            backward, n_dims.__class__, mode.__class__, freq_base.__class__, freq_scale.__class__,
+            n_ctx_orig.__class__, ext_factor.__class__, attn_factor.__class__, beta_fast.__class__,
+            beta_slow.__class__, backward.__class__)
+
+
+def _add_fast_prefill(key: tuple, params: _args.RopeParams, x: np.ndarray, pos: np.ndarray) -> None:
+    """After the general path accepted a prefill-sized call on 3-D x and 1-D int32 pos, without freq_factors or
+    sections: its plan and ``_rope_ext_prefill``'s entry point for x's dtype, for next time."""
+    table = _pair_table(params)
+    if len(_prefill_plans) >= _PREFILL_PLANS_MAX:
+        _prefill_plans.clear()
+    _prefill_plans[key] = (table.streams, table.w, table.step_cos, table.step_sin, table.cos_scale,
+                           table.sin_scale, params.mode == RopeMode.NORMAL, params.n_dims)
+    if _fast_prefill.get(x.dtype) is None:
+        x_type = array_type(x.dtype, 3)
+        vector = array_type(np.dtype(np.float64), 1)
+        _fast_prefill.add(x.dtype, (x_type, x_type, array_type(pos.dtype, 1), array_type(np.dtype(np.int64), 1),
+                                    vector, vector, vector, types.float64, types.float64, types.boolean,
+                                    types.int64, types.int64, types.int64))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -664,10 +741,10 @@ def _run(xk: np.ndarray, ok: np.ndarray, cache: RopeCache, in_place: bool, nbyte
     n_threads = _threads.threads_for(nbytes) if nbytes >= _threads.PARALLEL_MIN_BYTES and xk.shape[1] > 1 else 1
     flags = (cache.interleaved, in_place, token_layout(xk, ok))
     if n_threads > 1:
-        _driver(_rotate_step, True)(xk, ok, None, None, cache.cs, cache.n_pairs, *flags, np.zeros(1, np.int64),
+        _drive_parallel(xk, ok, None, None, cache.cs, cache.n_pairs, *flags, np.zeros(1, np.int64),
                                     n_threads)
     else:
-        _driver(_rotate_step, False)(xk, ok, None, None, cache.cs, cache.n_pairs, *flags)
+        _drive_serial(xk, ok, None, None, cache.cs, cache.n_pairs, *flags)
 
 
 def _apply(x: np.ndarray, out: np.ndarray, cache: RopeCache) -> None:
@@ -724,6 +801,22 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
     constant. freq_factors: (n_pairs,) divisors of theta (llama3 scaling). sections: 4 ints for the
     multi-position modes. backward: the inverse rotation. out: None, ``x`` (in place) or an array like ``x``.
     Returns the rotated array, ``x``'s dtype."""
+    fast_key = None
+    if (freq_factors is None and sections is None and x.__class__ is _ND and pos.__class__ is _ND and x.ndim == 3
+            and pos.ndim == 1 and pos.dtype is _INT32 and (out is None or (
+                out.__class__ is _ND and out.ndim == 3 and out.dtype is x.dtype and out.flags.writeable))):
+        # the prefill fast path (see _dispatch): the Python below costs 40-90 us right after a large kernel
+        try:
+            fast_key = _prefill_key(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor,
+                                    beta_fast, beta_slow, backward)
+            plan = _prefill_plans.get(fast_key)
+        except TypeError:  # an unhashable argument: the general path names it
+            fast_key = plan = None
+        entry = _fast_prefill.get(x.dtype)
+        if plan is not None and entry is not None:
+            y = np.empty(x.shape, x.dtype) if out is None else out
+            if entry(x, y, pos, *plan, _threads.PARALLEL_MIN_BYTES, _threads.get_num_threads()):
+                return y
     params = _args.parse_params(n_dims=n_dims, mode=mode, freq_base=freq_base, freq_scale=freq_scale,
                                 n_ctx_orig=n_ctx_orig, ext_factor=ext_factor, attn_factor=attn_factor,
                                 beta_fast=beta_fast, beta_slow=beta_slow, freq_factors=freq_factors,
@@ -744,12 +837,14 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
             xk = kernel_view(x4)
             ok = xk if out is x else kernel_view(out4)
             table = _pair_table(params)
-            _fused_driver(_rotate_step)(
-                xk, ok, None, None, pos, table.streams, table.w, table.step_cos, table.step_sin, table.cos_scale,
-                table.sin_scale, params.mode == RopeMode.NORMAL, out is x, token_layout(xk, ok),
-                np.zeros(1, np.int64), n_threads)
-            return result
-        out = result
+            _drive_fused(xk, ok, None, None, pos, table.streams, table.w, table.step_cos, table.step_sin,
+                         table.cos_scale, table.sin_scale, params.mode == RopeMode.NORMAL, out is x,
+                         token_layout(xk, ok), np.zeros(1, np.int64), n_threads)
+        else:
+            apply_rope_cache(x, _build_cache(pos, params), out=result)
+        if fast_key is not None:  # a 3-D x: the fast path takes the next such call, on any thread count
+            _add_fast_prefill(fast_key, params, x, pos)
+        return result
     return apply_rope_cache(x, _build_cache(pos, params), out=out)
 
 
@@ -811,8 +906,8 @@ def _set_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, cache: RopeCache
     layout = token_layout(xk, dk)
     x1 = xk[None]  # (1, N, H, D): the drivers step through axis 1
     if not parallel:  # in order, every token writes: the last duplicate wins
-        _driver(_cache_write_step, False)(x1, dk, idx, np.ones(n_tokens, np.bool_), cache.cs, cache.n_pairs,
-                                          interleaved, False, layout)
+        _drive_serial(x1, dk, idx, np.ones(n_tokens, np.bool_), cache.cs, cache.n_pairs, interleaved, False,
+                      layout)
         return
     keep = np.zeros(n_tokens, np.bool_)
     if np.all(idx[1:] > idx[:-1]):  # the usual consecutive cache slots: no duplicates, no sort needed
@@ -822,10 +917,9 @@ def _set_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, cache: RopeCache
         keep[n_tokens - 1 - last_from_end] = True
     next_task = np.zeros(1, np.int64)
     if cache is not None:
-        _driver(_cache_write_step, True)(x1, dk, idx, keep, cache.cs, cache.n_pairs, interleaved, False, layout,
-                                         next_task, n_threads)
+        _drive_parallel(x1, dk, idx, keep, cache.cs, cache.n_pairs, interleaved, False, layout, next_task,
+                        n_threads)
     else:
         table = _pair_table(params)
-        _fused_driver(_cache_write_step)(x1, dk, idx, keep, pos, table.streams, table.w, table.step_cos,
-                                         table.step_sin, table.cos_scale, table.sin_scale, interleaved, False,
-                                         layout, next_task, n_threads)
+        _drive_fused(x1, dk, idx, keep, pos, table.streams, table.w, table.step_cos, table.step_sin,
+                     table.cos_scale, table.sin_scale, interleaved, False, layout, next_task, n_threads)

@@ -826,3 +826,86 @@ def test_bad_inputs_after_the_fast_paths_are_recorded():
     neox = fastattn.rope_cache(np.array([5], np.int32), n_dims=16, mode=fastattn.ROPE_NEOX)
     assert fastattn.apply_rope_cache(unaligned, neox).tobytes() == fastattn.apply_rope_cache(
         np.ones((1, 2, 16), np.float32), neox).tobytes()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rope_ext's prefill fast path (fastattn.rope._rope_ext_prefill): 3-D x, 1-D int32 positions, no freq_factors or
+# sections, at least two cache blocks of tokens; taken once the general path has accepted the same scalar
+# arguments. It must give the general path's bytes on every layout and thread count, and decline every bad call.
+@contextlib.contextmanager
+def _prefill_sized_on(threads: int):
+    """The fast path and the general path's one-pass driver for the small test shapes, on ``threads``."""
+    saved = _threads.PARALLEL_MIN_BYTES
+    _threads.PARALLEL_MIN_BYTES = 0
+    try:
+        with fastattn.num_threads(min(threads, _threads.max_threads())):
+            yield
+    finally:
+        _threads.PARALLEL_MIN_BYTES = saved
+
+
+@given(data=st.data(), mode=st.sampled_from((fastattn.ROPE_NORMAL, fastattn.ROPE_NEOX)),
+       dtype=st.sampled_from((FLOAT32, FLOAT16)), n=st.integers(2 * CACHE_BLOCK, 3 * CACHE_BLOCK + 5),
+       h=st.integers(1, 3), where=st.sampled_from(("new", "out", "strided out", "in place")),
+       pos_kind=st.sampled_from(("small", "large", "runs")), threads=st.sampled_from((1, 2)))
+def test_rope_ext_prefill_fast_path_gives_the_general_paths_bytes(data, mode, dtype, n, h, where, pos_kind,
+                                                                   threads):
+    kwargs, d, _ = data.draw(rope_configs(mode=mode))
+    kwargs.pop("freq_factors", None)
+    x = data.draw(strided((n, h, d), dtype))
+    pos = positions(1, n, np.random.default_rng(n * 7 + d), pos_kind)
+    out = data.draw(strided((n, h, d), dtype, contiguous_ok=where == "out")) if "out" in where else None
+    fast_x, general_x = x.array, x.array.copy()
+    fast_out = {"new": None, "in place": fast_x}.get(where, None if out is None else out.array)
+    general_out = {"new": None, "in place": general_x}.get(where, None if out is None else out.array.copy())
+    with _prefill_sized_on(threads):
+        with pytest.MonkeyPatch.context() as mp:  # the general path, which records the call for the fast one
+            mp.setattr(_rope_module._fast_prefill, "get", lambda key: None)
+            expected = fastattn.rope_ext(general_x, pos, **kwargs, out=general_out)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_rope_module._args, "parse_x", _refuse)  # the general path must not run again
+            got = fastattn.rope_ext(fast_x, pos, **kwargs, out=fast_out)
+    if fast_out is not None:
+        assert got is fast_out
+    assert got.dtype == dtype and got.shape == (n, h, d)
+    assert got.tobytes() == expected.tobytes()
+    for view in [x] + ([out] if out is not None else []):
+        view.assert_outside_unchanged()
+    if where != "in place":
+        x.assert_all_unchanged()
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("the general path ran")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rope_ext_prefill_fast_path_declines_bad_calls(threads):
+    """Recorded parameters and dtypes do not let a bad call through: each raises the general path's message
+    and writes nothing."""
+    n = 2 * CACHE_BLOCK
+    kwargs = dict(n_dims=16, mode=fastattn.ROPE_NEOX, freq_base=500000.0)
+    pos = np.arange(n, dtype=np.int32)
+    buf = np.ones((n, 2, 32), np.float32)
+    with _prefill_sized_on(threads):
+        fastattn.rope_ext(buf.copy(), pos, **kwargs)  # records the plan and the entry point
+        fastattn.rope_ext(buf[..., :16].copy(), pos, **kwargs)
+        read_only = buf.copy()
+        read_only.flags.writeable = False
+        bad_calls = [
+            (buf, dict(out=np.ones((n, 2, 16), np.float32)), ValueError, "out must have shape"),
+            (buf[..., :16], dict(out=buf[..., 8:24]), ValueError, "out overlaps x"),
+            (buf[..., :8], dict(out=np.empty((n, 2, 8), np.float32)), ValueError, "n_dims must be <="),
+            (buf, dict(pos=pos[:-1]), ValueError, "pos must have one position per token"),
+            (read_only, dict(out=read_only), ValueError, "must be writeable"),
+            (buf, dict(n_dims=16.0), TypeError, "n_dims must be an integer"),
+            (buf, dict(backward=1), TypeError, "backward must be a bool"),
+            (buf, dict(freq_base=True), TypeError, "freq_base must be a real number"),
+            (buf.astype(np.float64), {}, TypeError, "x must have dtype"),
+        ]
+        for x, changes, error, message in bad_calls:
+            call = {**kwargs, "pos": pos, "out": x, **changes}
+            before = buf.copy()
+            with pytest.raises(error, match=message):
+                fastattn.rope_ext(x, call.pop("pos"), **call)
+            assert np.array_equal(buf, before), message
