@@ -18,7 +18,8 @@ from numba import prange
 from . import _threads
 from ._attention_group import (ROWS, element_strides, finalize, flat4, flat_mask, group_rows,
                                load_group_queries, no_sinks)
-from ._kernel import call_any_layout, fetch_add, kernel
+from ._dispatch import aligned, meta, overlaps, unit_rows
+from ._kernel import assume_contiguous, call_any_layout, fetch_add, kernel, use_threads
 
 #: Query rows per work unit: enough units to balance two threads at small Nq, few enough to amortise the scratch.
 ROW_CHUNK = 4
@@ -104,3 +105,48 @@ def run_one_chunk(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
         call_any_layout(_parallel, STRIDED, *args, np.zeros(1, np.int64), n_threads)
     else:
         call_any_layout(_serial, STRIDED, *args)
+
+
+@kernel
+def splits_decode(B, Nq, Hkv, Nkv, same_storage, n_threads, min_nkv, min_units_per_thread):
+    """``auto``'s decode rule (``attention.choose_path``): split_kv for one query row of one batch, K and V of
+    one storage type (float32 or float16), at least ``min_nkv`` rows and fewer than ``min_units_per_thread``
+    (batch, KV head) units per thread."""
+    return (Nq == 1 and B == 1 and same_storage and Nkv >= min_nkv
+            and B * Hkv < min_units_per_thread * n_threads)
+
+
+@kernel
+def decode_fast(q, k, v, out, slopes, sinks, scale, auto_splittable, min_nkv, min_units_per_thread, min_bytes,
+                n_threads):
+    """The decode fast path of ``flash_attn_ext`` (``_dispatch``): one_chunk on q (B, Hq, 1, DK) float32 and
+    k/v kernel views, no mask, softcap or ALiBi, slopes all ones and sinks -inf (Hq,). Returns False, having
+    written nothing, unless the shapes are valid (no empty axis, DK matching, v like k, Hkv | Hq, Bk | B, out
+    (B, 1, Hq, DV)), ``auto`` would take one_chunk (``auto_splittable``: auto and K, V of one split_kv storage
+    type), scale is finite, every array is aligned to its element size and out overlaps none of q, k, v."""
+    B, Hq, Nq, DK = q.shape
+    Bk, Hkv, Nkv, DKk = k.shape
+    DV = v.shape[3]
+    if (Nq != 1 or B < 1 or Hq < 1 or DK < 1 or Bk < 1 or Hkv < 1 or Nkv < 1 or DV < 1 or DKk != DK
+            or v.shape[0] != Bk or v.shape[1] != Hkv or v.shape[2] != Nkv or Hq % Hkv != 0 or B % Bk != 0
+            or out.shape != (B, 1, Hq, DV) or slopes.shape[0] != Hq or sinks.shape[0] != Hq
+            or not np.isfinite(scale)):
+        return False
+    if auto_splittable and splits_decode(B, Nq, Hkv, Nkv, True, n_threads, min_nkv, min_units_per_thread):
+        return False
+    mq, mk, mv, mo = meta(q), meta(k), meta(v), meta(out)
+    if not (aligned(mq) and aligned(mk) and aligned(mv) and aligned(mo) and unit_rows(meta(slopes))
+            and unit_rows(meta(sinks))):
+        return False
+    if overlaps(mo, mq) or overlaps(mo, mk) or overlaps(mo, mv):
+        return False
+    slopes_c = assume_contiguous(slopes)
+    sinks_c = assume_contiguous(sinks)
+    nbytes = B * Hkv * Nkv * (DK * k.itemsize + DV * v.itemsize)
+    if n_threads > 1 and nbytes >= min_bytes:
+        use_threads(n_threads)
+        _parallel(q, k, v, None, slopes_c, sinks_c, np.float32(scale), np.float32(0.0), out,
+                  np.zeros(1, np.int64), n_threads)
+    else:
+        _serial(q, k, v, None, slopes_c, sinks_c, np.float32(scale), np.float32(0.0), out)
+    return True

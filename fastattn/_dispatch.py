@@ -1,4 +1,4 @@
-"""The decode-sized fast path: compiled entry points called without Numba's dispatcher, checks inside the kernel.
+"""The fast paths: compiled entry points called without Numba's dispatcher, checks inside the kernel.
 
 A decode step calls each op on one row, where the kernel takes well under a microsecond and the Python around it
 (argument checks, ``np.may_share_memory``, views, the dispatcher typing every argument) took three times that.
@@ -14,6 +14,11 @@ path on anything else:
    False when any fails.
 3. On a miss or a False the op runs its general path, which validates everything and raises its usual message,
    or does the work (other strides, leading axes, broadcasting, parallel kernels, ...).
+
+Two larger calls take the same route, because right after a kernel that streamed megabytes the interpreter's own
+data is cold and the general path's Python costs 40-90 µs instead of ~10: ``rope_ext`` of a prefill (3-D x,
+int32 positions; its scalar arguments looked up with their classes) and ``flash_attn_ext`` decode on one_chunk
+(no mask, sinks, ALiBi or softcap). Their kernels set Numba's thread count themselves (``_kernel.use_threads``).
 
 Entry points are compiled for any-layout (``A``) arrays (``array_type``), one per dtype combination for every
 layout: a C-contiguous or read-only array fits such a parameter (only the static typing differs, not the data

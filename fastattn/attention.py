@@ -15,18 +15,25 @@ computes the ALiBi slopes, allocates ``out`` when needed, and hands everything t
 
 ``auto`` follows ggml, except that decode keeps one_chunk while there are enough KV heads to fill the threads
 (see ``choose_path`` and docs/attention.md for why).
+
+Decode calls that run one_chunk without mask, sinks, ALiBi or softcap take ``_dispatch``'s fast path once the
+general path has recorded their K/V dtypes: ``_attention_one_chunk.decode_fast``, checks in the kernel, the
+general path when it declines.
 """
 from __future__ import annotations
 
 import functools
 
 import numpy as np
+from numba import types
 
 from . import _threads
 from ._args import attention as _args
-from ._attention_one_chunk import run_one_chunk
+from ._attention_group import no_sinks
+from ._attention_one_chunk import decode_fast, run_one_chunk, splits_decode
 from ._attention_split_kv import run_split_kv
 from ._attention_tiled import Q_TILE, run_tiled
+from ._dispatch import FastPath, array_type
 from ._kernel import FLOAT16, FLOAT32, kernel_view
 
 #: Nkv from which ``auto`` takes split_kv for decode (ggml's threshold).
@@ -34,6 +41,8 @@ SPLIT_KV_MIN_NKV = 512
 #: ``auto`` keeps one_chunk for decode when there are at least this many (batch, KV head) units per thread:
 #: measured at 8 KV heads on 2 threads, one_chunk ran 3-21% faster than split_kv in paired runs (docs/attention.md).
 ONE_CHUNK_MIN_UNITS_PER_THREAD = 4
+_ND = np.ndarray
+_F64 = np.float64  # 1 / np.sqrt(DK): a scale the fast path takes as it is
 
 
 def choose_path(B: int, Nq: int, Hkv: int, Nkv: int, k_dtype: np.dtype, v_dtype: np.dtype,
@@ -44,12 +53,17 @@ def choose_path(B: int, Nq: int, Hkv: int, Nkv: int, k_dtype: np.dtype, v_dtype:
     rule) when the (batch, KV head) units are too few to keep the threads busy (fewer than
     ONE_CHUNK_MIN_UNITS_PER_THREAD per thread); tiled when Nq reaches the tiled path's Q tile; one_chunk otherwise.
     """
-    if (Nq == 1 and B == 1 and k_dtype == v_dtype and k_dtype in (FLOAT32, FLOAT16) and Nkv >= SPLIT_KV_MIN_NKV
-            and B * Hkv < ONE_CHUNK_MIN_UNITS_PER_THREAD * n_threads):
+    if splits_decode(B, Nq, Hkv, Nkv, _split_storage(k_dtype, v_dtype), n_threads, SPLIT_KV_MIN_NKV,
+                     ONE_CHUNK_MIN_UNITS_PER_THREAD):
         return "split_kv"
     if Nq >= Q_TILE:
         return "tiled"
     return "one_chunk"
+
+
+def _split_storage(k_dtype: np.dtype, v_dtype: np.dtype) -> bool:
+    """K and V of one storage type split_kv is chosen for (float32 or float16)."""
+    return k_dtype == v_dtype and k_dtype in (FLOAT32, FLOAT16)
 
 
 @functools.lru_cache(maxsize=64)
@@ -80,6 +94,21 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     or "split_kv" (Nq == 1 only). Every input may be a strided view; ``out`` (float32, any strides, not
     overlapping an input) is written in full. Rows with every score masked give zeros.
     """
+    if (mask is None and sinks is None and (scale.__class__ is float or scale.__class__ is _F64)
+            and max_bias.__class__ is float
+            and logit_softcap.__class__ is float and max_bias == 0.0 and logit_softcap == 0.0
+            and path.__class__ is str and (path == "auto" or path == "one_chunk") and q.__class__ is _ND
+            and k.__class__ is _ND and v.__class__ is _ND and q.ndim == 4 and k.ndim == 4 and v.ndim == 4
+            and q.dtype is FLOAT32 and (out is None or (out.__class__ is _ND and out.ndim == 4
+                                                        and out.dtype is FLOAT32 and out.flags.writeable))):
+        entry = _fast_decode.get((k.dtype, v.dtype))  # the decode fast path (see _dispatch)
+        if entry is not None:
+            Hq = q.shape[1]
+            result = np.empty((q.shape[0], 1, Hq, v.shape[3]), FLOAT32) if out is None else out
+            if entry(q, k, v, result, _slopes(Hq, 0.0), no_sinks(Hq), scale,
+                     path == "auto" and _split_storage(k.dtype, v.dtype), SPLIT_KV_MIN_NKV,
+                     ONE_CHUNK_MIN_UNITS_PER_THREAD, _threads.PARALLEL_MIN_BYTES, _threads.get_num_threads()):
+                return result
     a = _args.parse(q, k, v, mask, scale, max_bias, logit_softcap, sinks, path, out, out_dtypes=(FLOAT32,))
     B, Hq, Nq, _ = q.shape
     Nkv = k.shape[2]
@@ -94,4 +123,23 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     slopes = _slopes(Hq, a.max_bias)
     run(q, kernel_view(k), kernel_view(v), None if a.mask is None else kernel_view(a.mask), slopes, a.sinks,
         a.scale, a.logit_softcap, result)
+    if (name == "one_chunk" and Nq == 1 and mask is None and sinks is None and a.max_bias == 0.0
+            and a.logit_softcap == 0.0):
+        _add_fast_decode(k, v)
     return result
+
+
+#: entry points of ``_attention_one_chunk.decode_fast``, keyed on (k.dtype, v.dtype)
+_fast_decode = FastPath(decode_fast)
+
+
+def _add_fast_decode(k: np.ndarray, v: np.ndarray) -> None:
+    """After the general path ran one_chunk for a decode call without mask, sinks, ALiBi or softcap: the fast
+    path's entry point for these K/V dtypes, for next time. Read-only K/V fit it too (only the static typing
+    differs); bfloat16 travels as its int16 view, float16 as uint16."""
+    key = (k.dtype, v.dtype)
+    if _fast_decode.get(key) is None:
+        vector = array_type(FLOAT32, 1)
+        _fast_decode.add(key, (array_type(FLOAT32, 4), array_type(k.dtype, 4), array_type(v.dtype, 4),
+                               array_type(FLOAT32, 4), vector, vector, types.float64, types.boolean, types.int64,
+                               types.int64, types.int64, types.int64))

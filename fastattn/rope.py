@@ -36,7 +36,9 @@ is written, so the last row wins as in ggml.
 
 Decode-sized calls with a prebuilt cache (``apply_rope_cache`` on 3-D x, ``apply_rope_cache_set_rows`` into a 2-D
 cache) take the fast path of ``_dispatch``: ``_rope_fast``'s / ``_rope_set_rows_fast``'s entry point, with the
-checks in the kernel, and the general path when it declines.
+checks in the kernel, and the general path when it declines. So does a prefill ``rope_ext`` on 3-D x with int32
+positions and no freq_factors or sections (``_rope_ext_prefill``, the one-pass driver on threads), once the
+general path has accepted its scalar arguments.
 """
 from __future__ import annotations
 
