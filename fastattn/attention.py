@@ -102,7 +102,7 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
             and q.dtype is FLOAT32 and (out is None or (out.__class__ is _ND and out.ndim == 4
                                                         and out.dtype is FLOAT32 and out.flags.writeable))):
         entry = _fast_decode.get((k.dtype, v.dtype))  # the decode fast path (see _dispatch)
-        if entry is not None:
+        if entry is not None and q.shape[2] == 1:  # decode only: no wasted out for a prefill call
             Hq = q.shape[1]
             result = np.empty((q.shape[0], 1, Hq, v.shape[3]), FLOAT32) if out is None else out
             if entry(q, k, v, result, _slopes(Hq, 0.0), no_sinks(Hq), scale,
