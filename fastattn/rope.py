@@ -805,7 +805,7 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
     Returns the rotated array, ``x``'s dtype."""
     fast_key = None
     if (freq_factors is None and sections is None and x.__class__ is _ND and pos.__class__ is _ND and x.ndim == 3
-            and pos.ndim == 1 and pos.dtype is _INT32 and (out is None or (
+            and pos.ndim == 1 and pos.dtype is _INT32 and x.shape[0] >= 2 * CACHE_BLOCK and (out is None or (
                 out.__class__ is _ND and out.ndim == 3 and out.dtype is x.dtype and out.flags.writeable))):
         # the prefill fast path (see _dispatch): the Python below costs 40-90 us right after a large kernel
         try:
