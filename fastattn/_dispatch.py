@@ -15,10 +15,10 @@ path on anything else:
 3. On a miss or a False the op runs its general path, which validates everything and raises its usual message,
    or does the work (other strides, leading axes, broadcasting, parallel kernels, ...).
 
-Two larger calls take the same route, because right after a kernel that streamed megabytes the interpreter's own
-data is cold and the general path's Python costs 40-90 µs instead of ~10: ``rope_ext`` of a prefill (3-D x,
-int32 positions; its scalar arguments looked up with their classes) and ``flash_attn_ext`` decode on one_chunk
-(no mask, sinks, ALiBi or softcap). Their kernels set Numba's thread count themselves (``_kernel.use_threads``).
+Larger calls take the same route, because right after a kernel that streamed megabytes the interpreter's own
+data is cold and the general path's Python costs 40-90 µs instead of ~10: ``rope_ext`` and ``rope_set_rows`` of a
+prefill (3-D x, int32 positions; the scalar arguments looked up with their classes, freq_factors by dtype, shape
+and bytes) and ``flash_attn_ext`` decode on one_chunk (no mask, sinks, ALiBi or softcap). Their kernels set Numba's thread count themselves (``_kernel.use_threads``).
 
 Entry points are compiled for any-layout (``A``) arrays (``array_type``), one per dtype combination for every
 layout: a C-contiguous or read-only array fits such a parameter (only the static typing differs, not the data
@@ -140,3 +140,16 @@ def aligned(m):
 def unit_rows(m):
     """From ``meta(a)``: ``a`` is aligned and its last axis has unit stride (rows can be retyped contiguous)."""
     return m[2][len(m[2]) - 1] == m[3] and aligned(m)
+
+
+@kernel
+def c_contiguous(m):
+    """From ``meta(a)``: ``a`` is aligned and C-contiguous (``assume_contiguous`` may retype it; axes of length
+    one may have any stride, as NumPy's flag allows)."""
+    _, shape, strides, itemsize = m
+    expected = itemsize
+    for k in range(len(shape) - 1, -1, -1):
+        if shape[k] != 1 and strides[k] != expected:
+            return False
+        expected *= shape[k]
+    return aligned(m)

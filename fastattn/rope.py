@@ -37,8 +37,9 @@ is written, so the last row wins as in ggml.
 Decode-sized calls with a prebuilt cache (``apply_rope_cache`` on 3-D x, ``apply_rope_cache_set_rows`` into a 2-D
 cache) take the fast path of ``_dispatch``: ``_rope_fast``'s / ``_rope_set_rows_fast``'s entry point, with the
 checks in the kernel, and the general path when it declines. So does a prefill ``rope_ext`` on 3-D x with int32
-positions and no freq_factors or sections (``_rope_ext_prefill``, the one-pass driver on threads), once the
-general path has accepted its scalar arguments.
+positions and no sections (``_rope_ext_prefill``, the one-pass driver on threads), and a prefill
+``rope_set_rows`` into a C-contiguous cache at increasing rows (``_rope_set_rows_prefill``), once the general
+path has accepted their scalar arguments and freq_factors.
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ from numba import prange, types
 from numba.extending import overload
 
 from . import _threads
-from ._dispatch import FastPath, aligned, array_type, meta, overlaps, same_view, unit_rows
+from ._dispatch import FastPath, aligned, array_type, c_contiguous, meta, overlaps, same_view, unit_rows
 from ._args import rope as _args
 from ._kernel import (KERNEL_OPTIONS, assume_contiguous, fetch_add, from_f32, kernel_view, prefetch, to_f32,
                       use_threads)
@@ -472,28 +473,99 @@ _PREFILL_PLANS_MAX = 64
 
 
 def _prefill_key(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
-                 backward) -> tuple:
-    """The scalar arguments with their classes: 2, 2.0 and True are one dict key, but not equally valid."""
+                 backward, freq_factors) -> tuple:
+    """The scalar arguments with their classes (2, 2.0 and True are one dict key, but not equally valid), and
+    freq_factors (None or an ndarray) by dtype, shape and values: all that its validity and the tables depend on.
+    """
     return (n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
             backward, n_dims.__class__, mode.__class__, freq_base.__class__, freq_scale.__class__,
             n_ctx_orig.__class__, ext_factor.__class__, attn_factor.__class__, beta_fast.__class__,
-            beta_slow.__class__, backward.__class__)
+            beta_slow.__class__, backward.__class__,
+            None if freq_factors is None else (freq_factors.dtype, freq_factors.shape, freq_factors.tobytes()))
 
 
-def _add_fast_prefill(key: tuple, params: _args.RopeParams, x: np.ndarray, pos: np.ndarray) -> None:
-    """After the general path accepted a prefill-sized call on 3-D x and 1-D int32 pos, without freq_factors or
-    sections: its plan and ``_rope_ext_prefill``'s entry point for x's dtype, for next time."""
+def _add_prefill_plan(key: tuple, params: _args.RopeParams) -> None:
+    """After the general path accepted a prefill-sized call without sections: its plan, shared by ``rope_ext``
+    and ``rope_set_rows`` (the same arguments make the same tables)."""
+    if key in _prefill_plans:
+        return
     table = _pair_table(params)
     if len(_prefill_plans) >= _PREFILL_PLANS_MAX:
         _prefill_plans.clear()
     _prefill_plans[key] = (table.streams, table.w, table.step_cos, table.step_sin, table.cos_scale,
                            table.sin_scale, params.mode == RopeMode.NORMAL, params.n_dims)
+
+
+#: the plan's part of the prefill entry points' arguments, then (n_dims, min_bytes, n_threads)
+_PLAN_ARGS = ((array_type(np.dtype(np.int64), 1),) + (array_type(np.dtype(np.float64), 1),) * 3
+              + (types.float64, types.float64, types.boolean) + (types.int64,) * 3)
+
+
+def _add_fast_prefill(key: tuple, params: _args.RopeParams, x: np.ndarray, pos: np.ndarray) -> None:
+    """After the general path accepted a prefill-sized call on 3-D x and 1-D int32 pos, without sections: its
+    plan and ``_rope_ext_prefill``'s entry point for x's dtype, for next time."""
+    _add_prefill_plan(key, params)
     if _fast_prefill.get(x.dtype) is None:
         x_type = array_type(x.dtype, 3)
-        vector = array_type(np.dtype(np.float64), 1)
-        _fast_prefill.add(x.dtype, (x_type, x_type, array_type(pos.dtype, 1), array_type(np.dtype(np.int64), 1),
-                                    vector, vector, vector, types.float64, types.float64, types.boolean,
-                                    types.int64, types.int64, types.int64))
+        _fast_prefill.add(x.dtype, (x_type, x_type, array_type(pos.dtype, 1)) + _PLAN_ARGS)
+
+
+@numba.njit(**_EXACT)
+def _increasing_in(idx, n_rows):
+    """idx strictly increasing (no duplicates) and within [0, n_rows)."""
+    n = idx.shape[0]
+    if n == 0 or idx[0] < 0 or idx[n - 1] >= n_rows:
+        return False
+    for i in range(n - 1):
+        if idx[i] >= idx[i + 1]:
+            return False
+    return True
+
+
+@numba.njit(**_EXACT)
+def _rope_set_rows_prefill(dst, x, idx, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
+                           n_dims, min_bytes, n_threads):
+    """``rope_set_rows`` of x (N, H, D) into rows idx (N,) of the cache dst ((R, H·D) or (R, H, D)) at int32
+    positions pos (N,), NORMAL or NEOX, on ``n_threads`` threads, cos/sin made in the same pass
+    (``_drive_fused``). Returns False, having written nothing, unless dst is C-contiguous with rows of H·D,
+    idx and pos have one entry per token, n_dims <= D, at least ``min_bytes`` move over two cache blocks of
+    tokens or more, idx is strictly increasing within [0, R) (duplicates: the general path), every array is
+    aligned and dst overlaps none of x, idx and pos."""
+    n_tokens, n_heads, head_dim = x.shape
+    n_rows = dst.shape[0]
+    md, mx, mi, mp = meta(dst), meta(x), meta(idx), meta(pos)
+    row_shape = md[1]
+    last = row_shape[len(row_shape) - 1]  # D of an (R, H, D) cache, H·D of an (R, H·D) one
+    row_size = head_dim if len(row_shape) == 3 else n_heads * head_dim
+    if (dst.size != n_rows * n_heads * head_dim or last != row_size or idx.shape[0] != n_tokens
+            or pos.shape[0] != n_tokens or head_dim < n_dims or n_tokens < 2 * CACHE_BLOCK
+            or x.size * (x.itemsize + dst.itemsize) < min_bytes):
+        return False
+    if not (c_contiguous(md) and aligned(mx) and aligned(mi) and aligned(mp)):
+        return False
+    if overlaps(md, mx) or overlaps(md, mi) or overlaps(md, mp) or not _increasing_in(idx, n_rows):
+        return False
+    use_threads(n_threads)
+    rows = assume_contiguous(dst).reshape((n_rows, n_heads, head_dim))
+    _drive_fused(x[np.newaxis], rows, idx, np.ones(n_tokens, np.bool_), pos[np.newaxis], streams, w, step_cos,
+                 step_sin, cos_scale, sin_scale, interleaved, False, _token_layout_of(mx, meta(rows), head_dim),
+                 np.zeros(1, np.int64), n_threads)
+    return True
+
+
+#: entry points of ``_rope_set_rows_prefill``, keyed on (dst.dtype, dst.ndim, x.dtype, idx.dtype)
+_fast_prefill_set_rows = FastPath(_rope_set_rows_prefill)
+
+
+def _add_fast_prefill_set_rows(key: tuple, params: _args.RopeParams, dst: np.ndarray, x: np.ndarray,
+                               idx: np.ndarray, pos: np.ndarray) -> None:
+    """After the general path accepted a prefill-sized ``rope_set_rows`` on 3-D x and 1-D int32 pos, without
+    sections: its plan and entry point, for next time."""
+    _add_prefill_plan(key, params)
+    entry_key = (dst.dtype, dst.ndim, x.dtype, idx.dtype)
+    if _fast_prefill_set_rows.get(entry_key) is None:
+        _fast_prefill_set_rows.add(entry_key, (array_type(dst.dtype, dst.ndim), array_type(x.dtype, 3),
+                                               array_type(idx.dtype, 1), array_type(pos.dtype, 1)) + _PLAN_ARGS)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -804,13 +876,14 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
     multi-position modes. backward: the inverse rotation. out: None, ``x`` (in place) or an array like ``x``.
     Returns the rotated array, ``x``'s dtype."""
     fast_key = None
-    if (freq_factors is None and sections is None and x.__class__ is _ND and pos.__class__ is _ND and x.ndim == 3
-            and pos.ndim == 1 and pos.dtype is _INT32 and x.shape[0] >= 2 * CACHE_BLOCK and (out is None or (
+    if (sections is None and (freq_factors is None or freq_factors.__class__ is _ND) and x.__class__ is _ND
+            and pos.__class__ is _ND and x.ndim == 3 and pos.ndim == 1 and pos.dtype is _INT32
+            and x.shape[0] >= 2 * CACHE_BLOCK and (out is None or (
                 out.__class__ is _ND and out.ndim == 3 and out.dtype is x.dtype and out.flags.writeable))):
         # the prefill fast path (see _dispatch): the Python below costs 40-90 us right after a large kernel
         try:
             fast_key = _prefill_key(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor,
-                                    beta_fast, beta_slow, backward)
+                                    beta_fast, beta_slow, backward, freq_factors)
             plan = _prefill_plans.get(fast_key)
         except TypeError:  # an unhashable argument: the general path names it
             fast_key = plan = None
@@ -860,6 +933,22 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
     dst: (R, H, D) or (R, H·D) float32 / float16 / bfloat16 cache (token-major). x: (N, H, D) float32 or
     float16, any strides. idx: int32/int64 (N,) rows of ``dst``, each in [0, R) (else ValueError, nothing
     written); duplicates: the last wins. Returns ``dst``."""
+    fast_key = None
+    if (sections is None and (freq_factors is None or freq_factors.__class__ is _ND) and dst.__class__ is _ND
+            and x.__class__ is _ND and pos.__class__ is _ND and idx.__class__ is _ND and x.ndim == 3
+            and pos.ndim == 1 and pos.dtype is _INT32 and idx.ndim == 1 and x.shape[0] >= 2 * CACHE_BLOCK
+            and dst.flags.writeable):
+        # the prefill fast path, as rope_ext's (see _dispatch)
+        try:
+            fast_key = _prefill_key(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor,
+                                    beta_fast, beta_slow, backward, freq_factors)
+            plan = _prefill_plans.get(fast_key)
+        except TypeError:  # an unhashable argument: the general path names it
+            fast_key = plan = None
+        entry = _fast_prefill_set_rows.get((dst.dtype, dst.ndim, x.dtype, idx.dtype))
+        if plan is not None and entry is not None and entry(dst, x, idx, pos, *plan, _threads.PARALLEL_MIN_BYTES,
+                                                            _threads.get_num_threads()):
+            return dst
     params = _args.parse_params(n_dims=n_dims, mode=mode, freq_base=freq_base, freq_scale=freq_scale,
                                 n_ctx_orig=n_ctx_orig, ext_factor=ext_factor, attn_factor=attn_factor,
                                 beta_fast=beta_fast, beta_slow=beta_slow, freq_factors=freq_factors,
@@ -868,6 +957,8 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
     pos = _args.parse_pos(pos, params, x.shape[0])
     if x.shape[0]:
         _set_rows(dst3, x, idx, None, pos, params)
+        if fast_key is not None:  # 3-D x: the fast path takes the next such call, on any thread count
+            _add_fast_prefill_set_rows(fast_key, params, dst, x, idx, pos)
     return dst
 
 

@@ -714,6 +714,8 @@ def _general_only(mp):
     """From now on every call misses the fast paths."""
     mp.setattr(_rope_module._fast, "get", lambda key: None)
     mp.setattr(_rope_module._fast_set_rows, "get", lambda key: None)
+    mp.setattr(_rope_module._fast_prefill, "get", lambda key: None)
+    mp.setattr(_rope_module._fast_prefill_set_rows, "get", lambda key: None)
 
 
 def _warm_fast_paths(x_dtype, dst_dtype=FLOAT16, idx_dtype=np.dtype(np.int64)):
@@ -851,7 +853,6 @@ def _prefill_sized_on(threads: int):
 def test_rope_ext_prefill_fast_path_gives_the_general_paths_bytes(data, mode, dtype, n, h, where, pos_kind,
                                                                    threads):
     kwargs, d, _ = data.draw(rope_configs(mode=mode))
-    kwargs.pop("freq_factors", None)
     x = data.draw(strided((n, h, d), dtype))
     pos = positions(1, n, np.random.default_rng(n * 7 + d), pos_kind)
     out = data.draw(strided((n, h, d), dtype, contiguous_ok=where == "out")) if "out" in where else None
@@ -902,6 +903,8 @@ def test_rope_ext_prefill_fast_path_declines_bad_calls(threads):
             (buf, dict(backward=1), TypeError, "backward must be a bool"),
             (buf, dict(freq_base=True), TypeError, "freq_base must be a real number"),
             (buf.astype(np.float64), {}, TypeError, "x must have dtype"),
+            (buf, dict(freq_factors=np.zeros(8, np.float32)), ValueError, "freq_factors must be finite"),
+            (buf, dict(freq_factors=np.ones(7)), ValueError, "freq_factors must have one entry per rotated pair"),
         ]
         for x, changes, error, message in bad_calls:
             call = {**kwargs, "pos": pos, "out": x, **changes}
@@ -909,3 +912,95 @@ def test_rope_ext_prefill_fast_path_declines_bad_calls(threads):
             with pytest.raises(error, match=message):
                 fastattn.rope_ext(x, call.pop("pos"), **call)
             assert np.array_equal(buf, before), message
+        # freq_factors are part of the plan's key: other values, recorded or not, are never given another's plan
+        x = np.random.default_rng(2).standard_normal((n, 2, 32)).astype(np.float32)
+        for factors in ([1.0] * 8, [1.0] * 7 + [8.0], [1.0] * 7 + [8.0], [1.0] * 8):
+            with pytest.MonkeyPatch.context() as mp:
+                _general_only(mp)
+                expected = fastattn.rope_ext(x, pos, **kwargs, freq_factors=np.array(factors))
+            got = fastattn.rope_ext(x, pos, **kwargs, freq_factors=np.array(factors))
+            assert got.tobytes() == expected.tobytes(), factors
+        assert got.tobytes() == fastattn.rope_ext(x, pos, **kwargs).tobytes()  # factors of 1 change nothing
+
+
+# rope_set_rows' prefill fast path (fastattn.rope._rope_set_rows_prefill): the same calls, into a C-contiguous
+# cache at strictly increasing row indices; anything else (duplicates, a strided cache) is the general path's.
+#: (x, cache, idx dtypes, cache axes): each a compilation of both paths' drivers (tens of seconds)
+_PREFILL_SET_ROWS = [(FLOAT32, FLOAT16, np.int64, 2), (FLOAT16, FLOAT32, np.int32, 3)]
+
+
+@given(data=st.data(), mode=st.sampled_from((fastattn.ROPE_NORMAL, fastattn.ROPE_NEOX)),
+       case=st.sampled_from(_PREFILL_SET_ROWS), n=st.integers(2 * CACHE_BLOCK, 3 * CACHE_BLOCK + 5),
+       h=st.integers(1, 3), gaps=st.booleans(), pos_kind=st.sampled_from(("small", "large", "runs")),
+       threads=st.sampled_from((1, 2)))
+def test_rope_set_rows_prefill_fast_path_gives_the_general_paths_bytes(data, mode, case, n, h, gaps, pos_kind,
+                                                                       threads):
+    kwargs, d, _ = data.draw(rope_configs(mode=mode))
+    x_dtype, dst_dtype, idx_dtype, cache_axes = case
+    x = data.draw(strided((n, h, d), x_dtype))
+    rng = np.random.default_rng(n * 7 + d)
+    pos = positions(1, n, rng, pos_kind)
+    idx = (np.cumsum(rng.integers(1, 3, n) if gaps else np.ones(n, np.int64)) + rng.integers(-1, 5)).astype(
+        idx_dtype)  # strictly increasing, from row 0 up
+    rows = int(idx[-1]) + 1 + int(rng.integers(0, 3))
+    original = rng.standard_normal((rows, h * d) if cache_axes == 2 else (rows, h, d)).astype(dst_dtype)
+    fast_dst, general_dst = original.copy(), original.copy()
+    with _prefill_sized_on(threads):
+        with pytest.MonkeyPatch.context() as mp:  # the general path, which records the call for the fast one
+            mp.setattr(_rope_module._fast_prefill_set_rows, "get", lambda key: None)
+            fastattn.rope_set_rows(general_dst, x.array, pos, idx, **kwargs)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_rope_module._args, "parse_set_rows", _refuse)  # the general path must not run again
+            assert fastattn.rope_set_rows(fast_dst, x.array, pos, idx, **kwargs) is fast_dst
+    assert fast_dst.tobytes() == general_dst.tobytes()  # the rows written, and every other row untouched
+    x.assert_all_unchanged()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rope_set_rows_prefill_fast_path_declines_other_and_bad_calls(threads):
+    """After recording: calls it declines (duplicate or unordered indices, a strided or unaligned cache) give
+    the general path's bytes; bad calls raise the general path's message and write nothing."""
+    n = 2 * CACHE_BLOCK
+    kwargs = dict(n_dims=16, mode=fastattn.ROPE_NEOX, freq_base=500000.0)
+    rng = np.random.default_rng(5)
+    pos = np.arange(n, dtype=np.int32) + 7
+    k = rng.standard_normal((n, 2, 32)).astype(np.float32)
+    idx = np.arange(n, dtype=np.int64) + 2
+    duplicates = idx.copy()
+    duplicates[[5, 90]] = duplicates[[4, 3]]
+    strided_cache = np.zeros((n + 4, 128), np.float16)[:, 32:96]
+    unaligned_cache = np.zeros((n + 4) * 128 + 1, np.uint8)[1:].view(np.float16).reshape(n + 4, 64)
+    declined = [(np.zeros((n + 4, 64), np.float16), duplicates), (np.zeros((n + 4, 64), np.float16), idx[::-1]),
+                (strided_cache, idx), (unaligned_cache, idx)]
+    with _prefill_sized_on(threads):
+        fastattn.rope_set_rows(np.zeros((n + 4, 64), np.float16), k, pos, idx, **kwargs)  # records the fast path
+        for dst, rows in declined:
+            with pytest.MonkeyPatch.context() as mp:
+                _general_only(mp)
+                expected = fastattn.rope_set_rows(dst.copy(), k, pos, rows, **kwargs)
+            assert fastattn.rope_set_rows(dst, k, pos, rows, **kwargs).tobytes() == expected.tobytes()
+
+        cache = np.zeros((n + 4, 64), np.float16)
+        cache32 = np.zeros((n + 4, 64), np.float32)
+        read_only = np.zeros((n + 4, 64), np.float16)
+        read_only.flags.writeable = False
+        bad_calls = [
+            (dict(idx=idx + 3), ValueError, "idx values must be in"),
+            (dict(idx=idx - 3), ValueError, "idx values must be in"),
+            (dict(idx=idx[:-1]), ValueError, "idx must have one row index per token"),
+            (dict(pos=pos[:-1]), ValueError, "pos must have one position per token"),
+            (dict(dst=np.zeros((n + 4, 48), np.float16)), ValueError, "dst must have shape"),
+            (dict(dst=cache32, x=cache32[:n].reshape(n, 2, 32)), ValueError, "dst overlaps x"),
+            (dict(dst=read_only), ValueError, "dst must be writeable"),
+            (dict(x=k[..., :8], dst=np.zeros((n + 4, 16), np.float16)), ValueError, "n_dims must be <="),
+            (dict(n_dims=16.0), TypeError, "n_dims must be an integer"),
+            (dict(backward=1), TypeError, "backward must be a bool"),
+            (dict(x=k.astype(np.float64)), TypeError, "x must have dtype"),
+            (dict(idx=idx.astype(np.float64)), TypeError, "idx must have dtype"),
+        ]
+        for changes, error, message in bad_calls:
+            call = {**kwargs, "dst": cache, "x": k, "pos": pos, "idx": idx, **changes}
+            before = call["dst"].copy()
+            with pytest.raises(error, match=message):
+                fastattn.rope_set_rows(call.pop("dst"), call.pop("x"), call.pop("pos"), call.pop("idx"), **call)
+            assert np.array_equal(changes.get("dst", cache), before), message
