@@ -484,6 +484,16 @@ def _prefill_key(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, at
             None if freq_factors is None else (freq_factors.dtype, freq_factors.shape, freq_factors.tobytes()))
 
 
+def _prefill_plan(*args) -> tuple:
+    """(``_prefill_key(*args)``, its recorded plan or None), or (None, None) when an argument is unhashable (the
+    general path names it)."""
+    try:
+        key = _prefill_key(*args)
+        return key, _prefill_plans.get(key)
+    except TypeError:
+        return None, None
+
+
 def _add_prefill_plan(key: tuple, params: _args.RopeParams) -> None:
     """After the general path accepted a prefill-sized call without sections: its plan, shared by ``rope_ext``
     and ``rope_set_rows`` (the same arguments make the same tables)."""
@@ -881,12 +891,8 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
             and x.shape[0] >= 2 * CACHE_BLOCK and (out is None or (
                 out.__class__ is _ND and out.ndim == 3 and out.dtype is x.dtype and out.flags.writeable))):
         # the prefill fast path (see _dispatch): the Python below costs 40-90 us right after a large kernel
-        try:
-            fast_key = _prefill_key(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor,
-                                    beta_fast, beta_slow, backward, freq_factors)
-            plan = _prefill_plans.get(fast_key)
-        except TypeError:  # an unhashable argument: the general path names it
-            fast_key = plan = None
+        fast_key, plan = _prefill_plan(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor,
+                                       beta_fast, beta_slow, backward, freq_factors)
         entry = _fast_prefill.get(x.dtype)
         if plan is not None and entry is not None:
             y = np.empty(x.shape, x.dtype) if out is None else out
@@ -939,12 +945,8 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
             and pos.ndim == 1 and pos.dtype is _INT32 and idx.ndim == 1 and x.shape[0] >= 2 * CACHE_BLOCK
             and dst.flags.writeable):
         # the prefill fast path, as rope_ext's (see _dispatch)
-        try:
-            fast_key = _prefill_key(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor,
-                                    beta_fast, beta_slow, backward, freq_factors)
-            plan = _prefill_plans.get(fast_key)
-        except TypeError:  # an unhashable argument: the general path names it
-            fast_key = plan = None
+        fast_key, plan = _prefill_plan(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor,
+                                       beta_fast, beta_slow, backward, freq_factors)
         entry = _fast_prefill_set_rows.get((dst.dtype, dst.ndim, x.dtype, idx.dtype))
         if plan is not None and entry is not None and entry(dst, x, idx, pos, *plan, _threads.PARALLEL_MIN_BYTES,
                                                             _threads.get_num_threads()):
