@@ -18,7 +18,7 @@ path on anything else:
 Larger calls take the same route, because right after a kernel that streamed megabytes the interpreter's own
 data is cold and the general path's Python costs 40-90 µs instead of ~10: ``rope_ext`` and ``rope_set_rows`` of a
 prefill (3-D x, int32 positions; the scalar arguments looked up with their classes, freq_factors by dtype, shape
-and bytes) and ``flash_attn_ext`` decode on one_chunk (no mask, sinks, ALiBi or softcap). Their kernels set Numba's thread count themselves (``_kernel.use_threads``).
+and bytes), ``apply_rope_cache`` of a prefill (3-D x) and ``flash_attn_ext`` decode on one_chunk (no mask, sinks, ALiBi or softcap). Their kernels set Numba's thread count themselves (``_kernel.use_threads``).
 
 Entry points are compiled for any-layout (``A``) arrays (``array_type``), one per dtype combination for every
 layout: a C-contiguous or read-only array fits such a parameter (only the static typing differs, not the data

@@ -36,7 +36,8 @@ is written, so the last row wins as in ggml.
 
 Decode-sized calls with a prebuilt cache (``apply_rope_cache`` on 3-D x, ``apply_rope_cache_set_rows`` into a 2-D
 cache) take the fast path of ``_dispatch``: ``_rope_fast``'s / ``_rope_set_rows_fast``'s entry point, with the
-checks in the kernel, and the general path when it declines. So does a prefill ``rope_ext`` on 3-D x with int32
+checks in the kernel, and the general path when it declines; a larger ``apply_rope_cache`` on 3-D x takes
+``_rope_prefill_cached``'s (the parallel driver). So does a prefill ``rope_ext`` on 3-D x with int32
 positions and no sections (``_rope_ext_prefill``, the one-pass driver on threads), and a prefill
 ``rope_set_rows`` into a C-contiguous cache at increasing rows (``_rope_set_rows_prefill``), once the general
 path has accepted their scalar arguments and freq_factors.
@@ -734,11 +735,40 @@ _fast = FastPath(_rope_fast)
 _fast_set_rows = FastPath(_rope_set_rows_fast)
 
 
+@numba.njit(**_EXACT)
+def _rope_prefill_cached(x, out, cs, n_pairs, interleaved, min_head_dim, exact_head_dim, min_bytes, n_threads):
+    """``apply_rope_cache`` of a prefill: x and out (N, H, D) of one dtype, a cache's ``cs``, on ``n_threads``
+    threads (``_drive_parallel``). Returns False, having written nothing, unless out has x's shape, x fits the
+    cache, at least ``min_bytes`` move over two tokens or more, x and out are aligned and out is x or overlaps
+    nothing of it."""
+    n, _, d = x.shape
+    if out.shape != x.shape or n < 2 or 2 * x.size * x.itemsize < min_bytes:
+        return False
+    if not _fits_cache(n, d, cs, min_head_dim, exact_head_dim):
+        return False
+    mx, mo = meta(x), meta(out)
+    in_place = same_view(mo, mx)
+    if (overlaps(mo, mx) and not in_place) or not (aligned(mx) and aligned(mo)):
+        return False
+    use_threads(n_threads)
+    _drive_parallel(x[np.newaxis], out[np.newaxis], None, None, cs, n_pairs, interleaved, in_place,
+                    _token_layout_of(mx, mo, d), np.zeros(1, np.int64), n_threads)
+    return True
+
+
+#: entry points of ``_rope_prefill_cached``, keyed on x.dtype
+_fast_prefill_cached = FastPath(_rope_prefill_cached)
+
+
 def _add_fast(x: np.ndarray) -> None:
-    """After a decode-sized 3-D call was accepted: ``_rope_fast``'s entry point for x's dtype, for next time."""
-    if 2 * x.nbytes < _threads.PARALLEL_MIN_BYTES and _fast.get(x.dtype) is None:
+    """After a 3-D call was accepted: the entry point for x's dtype and size class (``_rope_fast`` for a
+    decode-sized call, ``_rope_prefill_cached`` for a larger one), for next time."""
+    large = 2 * x.nbytes >= _threads.PARALLEL_MIN_BYTES
+    fast = _fast_prefill_cached if large else _fast
+    if fast.get(x.dtype) is None:
         x_type = array_type(x.dtype, 3)
-        _fast.add(x.dtype, (x_type, x_type, array_type(FLOAT32, 2)) + _CACHE_ARGS)
+        fast.add(x.dtype, (x_type, x_type, array_type(FLOAT32, 2)) + _CACHE_ARGS
+                 + ((types.int64,) if large else ()))
 
 
 def _add_fast_set_rows(dst: np.ndarray, x: np.ndarray, idx: np.ndarray) -> None:
@@ -851,12 +881,20 @@ def apply_rope_cache(x: np.ndarray, cache: RopeCache, *, out: np.ndarray | None 
         raise TypeError(f"cache must be a RopeCache from fastattn.rope_cache, got {type(cache).__name__}")
     if x.__class__ is _ND and x.ndim == 3 and (out is None or (out.__class__ is _ND and out.ndim == 3
                                                            and out.dtype is x.dtype and out.flags.writeable)):
-        entry = _fast.get(x.dtype)  # the decode fast path (see _dispatch)
-        if entry is not None:
-            y = np.empty(x.shape, x.dtype) if out is None else out
-            if entry(x, y, cache.cs, cache.n_pairs, cache.interleaved, cache.min_head_dim, cache.exact_head_dim,
-                     _threads.PARALLEL_MIN_BYTES):
-                return y
+        if 2 * x.nbytes < _threads.PARALLEL_MIN_BYTES:
+            entry = _fast.get(x.dtype)  # the decode fast path (see _dispatch)
+            if entry is not None:
+                y = np.empty(x.shape, x.dtype) if out is None else out
+                if entry(x, y, cache.cs, cache.n_pairs, cache.interleaved, cache.min_head_dim,
+                         cache.exact_head_dim, _threads.PARALLEL_MIN_BYTES):
+                    return y
+        else:
+            entry = _fast_prefill_cached.get(x.dtype)  # the prefill one: ~70 us of Python after a large kernel
+            if entry is not None:
+                y = np.empty(x.shape, x.dtype) if out is None else out
+                if entry(x, y, cache.cs, cache.n_pairs, cache.interleaved, cache.min_head_dim,
+                         cache.exact_head_dim, _threads.PARALLEL_MIN_BYTES, _threads.get_num_threads()):
+                    return y
     _args.parse_x(x)
     shape = x.shape
     cache.params.check_head_dim("x", shape[-1])

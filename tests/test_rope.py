@@ -1004,3 +1004,62 @@ def test_rope_set_rows_prefill_fast_path_declines_other_and_bad_calls(threads):
             with pytest.raises(error, match=message):
                 fastattn.rope_set_rows(call.pop("dst"), call.pop("x"), call.pop("pos"), call.pop("idx"), **call)
             assert np.array_equal(changes.get("dst", cache), before), message
+
+
+# apply_rope_cache's prefill fast path (fastattn.rope._rope_prefill_cached): 3-D x with a prebuilt cache of any
+# mode, from _threads.PARALLEL_MIN_BYTES moved; taken once the general path has accepted a call of x's dtype.
+@given(data=st.data(), config=rope_configs(), dtype=st.sampled_from((FLOAT32, FLOAT16)), n=st.integers(2, 40),
+       h=st.integers(1, 3), where=st.sampled_from(("new", "out", "strided out", "in place")),
+       threads=st.sampled_from((1, 2)))
+def test_apply_rope_cache_prefill_fast_path_gives_the_general_paths_bytes(data, config, dtype, n, h, where,
+                                                                          threads):
+    kwargs, d, streams = config
+    x = data.draw(strided((n, h, d), dtype))
+    cache = fastattn.rope_cache(positions(streams, n, np.random.default_rng(n * 5 + d), "runs"), **kwargs)
+    out = data.draw(strided((n, h, d), dtype, contiguous_ok=where == "out")) if "out" in where else None
+    fast_x, general_x = x.array, x.array.copy()
+    fast_out = {"new": None, "in place": fast_x}.get(where, None if out is None else out.array)
+    general_out = {"new": None, "in place": general_x}.get(where, None if out is None else out.array.copy())
+    with _prefill_sized_on(threads):
+        with pytest.MonkeyPatch.context() as mp:  # the general path, which records the call for the fast one
+            mp.setattr(_rope_module._fast_prefill_cached, "get", lambda key: None)
+            expected = fastattn.apply_rope_cache(general_x, cache, out=general_out)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_rope_module._args, "parse_x", _refuse)  # the general path must not run again
+            got = fastattn.apply_rope_cache(fast_x, cache, out=fast_out)
+    if fast_out is not None:
+        assert got is fast_out
+    assert got.dtype == dtype and got.shape == (n, h, d)
+    assert got.tobytes() == expected.tobytes()
+    for view in [x] + ([out] if out is not None else []):
+        view.assert_outside_unchanged()
+    if where != "in place":
+        x.assert_all_unchanged()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_apply_rope_cache_prefill_fast_path_declines_bad_calls(threads):
+    """After recording, bad calls raise the general path's message and write nothing."""
+    n = 8
+    neox = fastattn.rope_cache(np.arange(n, dtype=np.int32), n_dims=16, mode=fastattn.ROPE_NEOX)
+    vision = fastattn.rope_cache(np.zeros((4, n), np.int32), n_dims=8, mode=fastattn.ROPE_VISION,
+                                 sections=[2, 2, 0, 0])
+    buf = np.ones((n, 2, 32), np.float32)
+    with _prefill_sized_on(threads):
+        fastattn.apply_rope_cache(buf.copy(), neox)  # records the entry point
+        read_only = buf.copy()
+        read_only.flags.writeable = False
+        bad_calls = [
+            (buf, neox, dict(out=np.ones((n, 2, 16), np.float32)), ValueError, "out must have shape"),
+            (buf[..., :16], neox, dict(out=buf[..., 8:24]), ValueError, "out overlaps x"),
+            (buf[..., :8], neox, {}, ValueError, "n_dims must be <="),
+            (buf[:-1], neox, {}, ValueError, "one token per cached position"),
+            (buf, vision, {}, ValueError, "ROPE_VISION"),
+            (read_only, neox, dict(out=read_only), ValueError, "must be writeable"),
+            (buf.astype(np.float64), neox, {}, TypeError, "x must have dtype"),
+        ]
+        for x, cache, changes, error, message in bad_calls:
+            before = buf.copy()
+            with pytest.raises(error, match=message):
+                fastattn.apply_rope_cache(x, cache, **{"out": x, **changes})
+            assert np.array_equal(buf, before), message
