@@ -856,19 +856,27 @@ def test_rope_ext_prefill_fast_path_gives_the_general_paths_bytes(data, mode, dt
     x = data.draw(strided((n, h, d), dtype))
     pos = positions(1, n, np.random.default_rng(n * 7 + d), pos_kind)
     out = data.draw(strided((n, h, d), dtype, contiguous_ok=where == "out")) if "out" in where else None
+    _fast_against_general("_fast_prefill", lambda a, o: fastattn.rope_ext(a, pos, **kwargs, out=o), x, out, where, threads)
+
+
+def _fast_against_general(fast_path: str, call, x: StridedView, out: StridedView | None, where: str,
+                          threads: int) -> None:
+    """``call(x, out)`` on the general path (the fast path ``fast_path`` of the rope module missed, which records
+    the call), then on copies through the fast path (the general path refused): same bytes, the fast call's
+    out returned (or a new array like x), nothing written outside it."""
     fast_x, general_x = x.array, x.array.copy()
     fast_out = {"new": None, "in place": fast_x}.get(where, None if out is None else out.array)
     general_out = {"new": None, "in place": general_x}.get(where, None if out is None else out.array.copy())
     with _prefill_sized_on(threads):
-        with pytest.MonkeyPatch.context() as mp:  # the general path, which records the call for the fast one
-            mp.setattr(_rope_module._fast_prefill, "get", lambda key: None)
-            expected = fastattn.rope_ext(general_x, pos, **kwargs, out=general_out)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(_rope_module._args, "parse_x", _refuse)  # the general path must not run again
-            got = fastattn.rope_ext(fast_x, pos, **kwargs, out=fast_out)
+            mp.setattr(getattr(_rope_module, fast_path), "get", lambda key: None)
+            expected = call(general_x, general_out)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_rope_module._args, "parse_x", _refuse)
+            got = call(fast_x, fast_out)
     if fast_out is not None:
         assert got is fast_out
-    assert got.dtype == dtype and got.shape == (n, h, d)
+    assert got.dtype == fast_x.dtype and got.shape == fast_x.shape
     assert got.tobytes() == expected.tobytes()
     for view in [x] + ([out] if out is not None else []):
         view.assert_outside_unchanged()
@@ -1017,24 +1025,7 @@ def test_apply_rope_cache_prefill_fast_path_gives_the_general_paths_bytes(data, 
     x = data.draw(strided((n, h, d), dtype))
     cache = fastattn.rope_cache(positions(streams, n, np.random.default_rng(n * 5 + d), "runs"), **kwargs)
     out = data.draw(strided((n, h, d), dtype, contiguous_ok=where == "out")) if "out" in where else None
-    fast_x, general_x = x.array, x.array.copy()
-    fast_out = {"new": None, "in place": fast_x}.get(where, None if out is None else out.array)
-    general_out = {"new": None, "in place": general_x}.get(where, None if out is None else out.array.copy())
-    with _prefill_sized_on(threads):
-        with pytest.MonkeyPatch.context() as mp:  # the general path, which records the call for the fast one
-            mp.setattr(_rope_module._fast_prefill_cached, "get", lambda key: None)
-            expected = fastattn.apply_rope_cache(general_x, cache, out=general_out)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(_rope_module._args, "parse_x", _refuse)  # the general path must not run again
-            got = fastattn.apply_rope_cache(fast_x, cache, out=fast_out)
-    if fast_out is not None:
-        assert got is fast_out
-    assert got.dtype == dtype and got.shape == (n, h, d)
-    assert got.tobytes() == expected.tobytes()
-    for view in [x] + ([out] if out is not None else []):
-        view.assert_outside_unchanged()
-    if where != "in place":
-        x.assert_all_unchanged()
+    _fast_against_general("_fast_prefill_cached", lambda a, o: fastattn.apply_rope_cache(a, cache, out=o), x, out, where, threads)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
