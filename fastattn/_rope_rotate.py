@@ -1,13 +1,15 @@
 """The RoPE rotation of a token's head rows, as explicit 8-wide vector code (``_simd``).
 
-``rotate_rows_split(src, dst, cos, sin)`` (NEOX pairing) and ``rotate_rows_adjacent(src, dst, cos, sin)``
-(NORMAL pairing) rotate every row h of ``src`` (H, D) into the same row of ``dst``, for the pairs of the whole
-chunks of 8: p < 8·(n_pairs // 8) with n_pairs = len(cos). For pair p with angle (cos[p], sin[p]):
+``rotate_rows_split(src, dst, cos, sin, ahead)`` (NEOX pairing) and ``rotate_rows_adjacent(src, dst, cos, sin,
+ahead)`` (NORMAL pairing) rotate every row h of ``src`` (H, D) into the same row of ``dst``, for the pairs of
+the whole chunks of 8: p < 8·(n_pairs // 8) with n_pairs = len(cos). For pair p with angle (cos[p], sin[p]):
 
     NEOX   (a, b) = (row[p], row[p + n_pairs])      NORMAL   (a, b) = (row[2p], row[2p + 1])
     a' = a·cos − b·sin,  b' = a·sin + b·cos    (float32, every product rounded on its own: no FMA)
 
-The remaining pairs and the dims past the rotated span are the caller's. NORMAL loads 16 dims as two vectors,
+The remaining pairs and the dims past the rotated span are the caller's. ``ahead`` != 0 also asks for
+(``prefetcht0``) the D elements ``ahead`` elements past each src row before rotating it, e.g. the same row of
+the next token (``rope._rotate_step`` says when). NORMAL loads 16 dims as two vectors,
 splits them into the a and b lanes and interleaves the results back with shuffles.
 
 src and dst may be the same array (in place: each chunk is read before it is written) or different arrays of
@@ -21,16 +23,31 @@ but the arithmetic inside (docs/rope.md has the measurements).
 """
 from __future__ import annotations
 
+from llvmlite import ir
 from numba import types
+from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from ._simd import LANES, as_int64, check_array, const, element_stride, load8, loop, shuffle, store8
 
 
+def prefetch_line(builder, pointer):
+    """``prefetcht0`` of the cache line holding ``pointer`` (never faults)."""
+    i32 = ir.IntType(32)
+    fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(
+        ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]))
+    builder.call(fn, [builder.bitcast(pointer, ir.IntType(8).as_pointer()), ir.Constant(i32, 0),
+                      ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
 def _rotation_codegen(adjacent: bool):
     def codegen(context, builder, signature, args):
-        src, dst, cos, sin = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args))
+        src, dst, cos, sin = (context.make_array(t)(context, builder, v)
+                              for t, v in zip(signature.args[:4], args[:4]))
+        ahead = as_int64(context, builder, args[4], signature.args[4])
         s_type, d_type = signature.args[0].dtype, signature.args[1].dtype
+        row_len = builder.extract_value(src.shape, 1)
+        line = const(64 // (s_type.bitwidth // 8))  # elements per cache line
         n_rows = builder.extract_value(src.shape, 0)
         n_pairs = builder.extract_value(cos.shape, 0)
         n_chunks = builder.sdiv(n_pairs, const(LANES))
@@ -47,6 +64,11 @@ def _rotation_codegen(adjacent: bool):
         def row(h, _):
             s0 = builder.mul(h, s_rs)
             d0 = builder.mul(h, d_rs)
+            with builder.if_then(builder.icmp_signed("!=", ahead, const(0))):
+                def fetch(k, _):
+                    prefetch_line(builder, builder.gep(src.data, [builder.add(builder.add(s0, ahead), k)]))
+                    return []
+                loop(builder, const(0), as_int64(context, builder, row_len, types.intp), line, [], fetch)
 
             def chunk(k, _):
                 p = builder.mul(k, const(LANES))
@@ -82,12 +104,14 @@ def _rotation_codegen(adjacent: bool):
 
 
 def _typer(name, adjacent):
-    def typer(typingctx, src, dst, cos, sin):
+    def typer(typingctx, src, dst, cos, sin, ahead):
         check_array(f"{name} src", src, ndim=2)
         check_array(f"{name} dst", dst, ndim=2)
         check_array(f"{name} cos", cos, (types.float32,))
         check_array(f"{name} sin", sin, (types.float32,))
-        return types.none(src, dst, cos, sin), _rotation_codegen(adjacent)
+        if not isinstance(ahead, types.Integer):
+            raise TypingError(f"{name} ahead: expected an integer, got {ahead}")
+        return types.none(src, dst, cos, sin, ahead), _rotation_codegen(adjacent)
     typer.__name__ = name
     typer.__doc__ = f"Rotate the whole chunks of 8 pairs of every row of src into dst ({name}: module docstring)."
     return typer

@@ -170,11 +170,14 @@ def _cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, 
                 s64[p] = s * step_cos[p] + c * step_sin[p]
         else:
             _direct_row(pos, n, streams, w, theta, c64, s64)
+        # Two loops, not one storing both halves: LLVM's overlap checks for the two stores into one row send the
+        # joint loop to its scalar version (512 tokens x 64 pairs: 18 us as one loop, 4.5 us as two).
         row = cs[n - n0]
         cos_row = row[:n_pairs]
-        sin_row = row[n_pairs:]
         for p in range(n_pairs):
             cos_row[p] = np.float32(c64[p] * cos_scale)
+        sin_row = row[n_pairs:]
+        for p in range(n_pairs):
             sin_row[p] = np.float32(s64[p] * sin_scale)
 
 
@@ -305,11 +308,12 @@ def token_layout(a: np.ndarray, b: np.ndarray) -> int:
 
 
 @numba.njit(**_INLINE)
-def _rope_block(src, dst, cache_row, n_pairs, interleaved, in_place, layout):
+def _rope_block(src, dst, cache_row, n_pairs, interleaved, in_place, layout, ahead):
     """One token's head rows src, dst (H, D) (the same memory in place) with its cache row (cos then sin).
 
     Rows of adjacent elements (any row stride) take the vector code (``_rope_rotate``) for the whole chunks of 8
-    pairs of every row at once, then the scalar rest; rows with strided elements take strided scalar loops."""
+    pairs of every row at once, then the scalar rest; rows with strided elements take strided scalar loops.
+    ``ahead`` != 0: the vector code prefetches each row's D elements that far past it (``_rows_ahead``)."""
     cos = cache_row[:n_pairs]
     sin = cache_row[n_pairs:2 * n_pairs]
     if layout == ROWS_STRIDED:
@@ -321,9 +325,9 @@ def _rope_block(src, dst, cache_row, n_pairs, interleaved, in_place, layout):
                 _copy_tail(src[h], dst[h], 2 * n_pairs)
         return
     if interleaved:
-        rotate_rows_adjacent(src, dst, cos, sin)
+        rotate_rows_adjacent(src, dst, cos, sin, ahead)
     else:
-        rotate_rows_split(src, dst, cos, sin)
+        rotate_rows_split(src, dst, cos, sin, ahead)
     done = n_pairs // LANES * LANES
     if done < n_pairs or (2 * n_pairs < src.shape[1] and not in_place):
         for h in range(src.shape[0]):
@@ -337,16 +341,30 @@ PREFETCH_LINES = 16
 @numba.njit(**_INLINE)
 def _prefetch_next_token(tokens, n, layout):
     """In place, start fetching the first lines of token n + 1's (H, D) block of ``tokens`` (N, H, D) while token
-    n is rotated. When tokens lie apart (Q of a fused QKV buffer: 16 KiB runs 32 KiB apart), the hardware
-    prefetchers start over at every run, and the first lines of each come at full miss latency: in place, Q of
-    (512, 32, 128) in a fused buffer took 1.14-1.36x a contiguous x at 1 and 2 threads, 1.00-1.15x with this
-    (paired runs). Out of place it did not help (the QKV view into a new array: 1.53-1.57x the contiguous in-place
-    time without, 1.44-1.58x with), and the contiguous out-of-place rotation seemed a little slower, so only the
-    in-place step asks."""
+    n is rotated (measured on the Zen 3 host of runs 1-8: Q of (512, 32, 128) in place in a fused QKV buffer took
+    1.14-1.36x a contiguous x without, 1.00-1.15x with; out of place it did not help). Tokens that lie apart
+    take ``_rows_ahead`` instead."""
     if layout == TOKEN_BLOCK and n + 1 < tokens.shape[0]:
         first_row = tokens[n + 1, 0]
         for line in range(PREFETCH_LINES):
             prefetch(first_row, line * (64 // tokens.itemsize))
+
+
+@numba.njit(**_INLINE)
+def _rows_ahead(tokens, n, layout):
+    """In place on tokens that lie apart (Q or K of a fused QKV buffer: 16 KiB runs 24 KiB apart), the distance
+    in elements from a row of token n to the same row of token n + 2, for the vector code to prefetch that token
+    row by row while it rotates this one; 0 otherwise. Why: the hardware prefetchers start over at every run.
+    On the znver4 host of runs 9-10 (whose caches hold less than the 20 MiB the paired benchmark moves) the QKV
+    view of (512, 32, 128) took 1.24-1.45x the contiguous time in place with ``_prefetch_next_token``; row by
+    row one token ahead 1.13-1.16x, two tokens ahead 1.02-1.07x (2 threads; 0.91x at 1), from DRAM (N = 2048)
+    1.31x where it was 1.49x (docs/rope.md)."""
+    if layout != TOKEN_BLOCK or n + 2 >= tokens.shape[0]:
+        return 0
+    token_stride = tokens.strides[0] // tokens.itemsize
+    if token_stride == tokens.shape[1] * tokens.shape[2]:
+        return 0
+    return 2 * token_stride
 
 
 # The token steps: what a driver does with token n of x (B, N, H, D) and its cache row. Each driver is made for
@@ -357,16 +375,19 @@ def _prefetch_next_token(tokens, n, layout):
 def _rotate_step(x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layout):
     """rope_ext / apply_rope_cache: out[b, n] = rope(x[b, n]) for every b (out may be x); idx, keep unused."""
     for b in range(x.shape[0]):
+        ahead = 0
         if in_place:
-            _prefetch_next_token(x[b], n, layout)
-        _rope_block(x[b, n], out[b, n], cache_row, n_pairs, interleaved, in_place, layout)
+            ahead = _rows_ahead(x[b], n, layout)
+            if ahead == 0:
+                _prefetch_next_token(x[b], n, layout)
+        _rope_block(x[b, n], out[b, n], cache_row, n_pairs, interleaved, in_place, layout, ahead)
 
 
 @numba.njit(**_INLINE)
 def _cache_write_step(x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layout):
     """rope_set_rows: x (1, N, H, D) K rows, out (R, H, D) the cache; token n goes to out[idx[n]] when keep[n]."""
     if keep[n]:
-        _rope_block(x[0, n], out[idx[n]], cache_row, n_pairs, interleaved, False, layout)
+        _rope_block(x[0, n], out[idx[n]], cache_row, n_pairs, interleaved, False, layout, 0)
 
 
 def _step(x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layout):
@@ -696,7 +717,7 @@ def _rope_fast(x, out, cs, n_pairs, interleaved, min_head_dim, exact_head_dim, m
 @numba.njit(**_INLINE)
 def _rope_tokens(x, out, cs, n_pairs, interleaved, in_place):
     for i in range(x.shape[0]):
-        _rope_block(x[i], out[i], assume_contiguous(cs[i]), n_pairs, interleaved, in_place, ROWS_UNIT)
+        _rope_block(x[i], out[i], assume_contiguous(cs[i]), n_pairs, interleaved, in_place, ROWS_UNIT, 0)
 
 
 @numba.njit(**_EXACT)
@@ -725,7 +746,7 @@ def _rope_set_rows_fast(dst, x, idx, cs, n_pairs, interleaved, min_head_dim, exa
 def _rope_rows_to_cache(dst, x, idx, cs, n_pairs, interleaved):
     for i in range(x.shape[0]):
         block = assume_contiguous(dst[idx[i]]).reshape((x.shape[1], x.shape[2]))  # the cache row as (H, D)
-        _rope_block(x[i], block, assume_contiguous(cs[i]), n_pairs, interleaved, False, ROWS_UNIT)
+        _rope_block(x[i], block, assume_contiguous(cs[i]), n_pairs, interleaved, False, ROWS_UNIT, 0)
 
 
 _CACHE_ARGS = (types.int64, types.boolean, types.int64, types.boolean, types.int64)

@@ -289,6 +289,38 @@ def test_in_place_on_fused_qkv_leaves_k_v_and_surroundings_alone(dtype, threads)
     assert np.array_equal(outer[1:-1, 4 + (h + h_kv) * d:-4], snapshot[1:-1, 4 + (h + h_kv) * d:-4])  # V
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_large_in_place_fused_qkv_matches_a_contiguous_copy_bytes(threads):
+    """Prefill-sized in place on Q of a fused QKV buffer: the drivers prefetch two tokens ahead row by row
+    (``rope._rows_ahead``); a hint, so the bytes are the contiguous rotation's and K, V stay as they were."""
+    n, h, h_kv, d = 300, 8, 2, 64
+    qkv = np.random.default_rng(5).standard_normal((n, (h + 2 * h_kv) * d)).astype(np.float32)
+    snapshot = qkv.copy()
+    q = qkv[:, :h * d].reshape(n, h, d)
+    contiguous = q.copy()
+    pos = np.arange(n, dtype=np.int32) + 7
+    kwargs = dict(n_dims=d, mode=fastattn.ROPE_NEOX, freq_base=500000.0)
+    with run_on(threads):
+        fastattn.rope_ext(q, pos, **kwargs, out=q)
+        fastattn.rope_ext(contiguous, pos, **kwargs, out=contiguous)
+    assert np.array_equal(q.view(np.uint32), contiguous.view(np.uint32))
+    assert np.array_equal(qkv[:, h * d:], snapshot[:, h * d:])
+    assert_rope_close(q, ref.rope_ext(snapshot[:, :h * d].reshape(n, h, d), pos, **kwargs, out=np.empty(q.shape)),
+                      snapshot[:, :h * d].reshape(n, h, d), pos, kwargs, what="qkv")
+
+
+def test_rows_ahead_prefetches_only_tokens_that_lie_apart():
+    rows_ahead = fastattn.rope._rows_ahead
+    block, unit = fastattn.rope.TOKEN_BLOCK, fastattn.rope.ROWS_UNIT
+    qkv = np.zeros((5, 12 * 16), np.float32)
+    q = qkv[:, :8 * 16].reshape(5, 8, 16)
+    assert rows_ahead(q, 0, block) == 2 * 12 * 16  # the same row, two tokens on
+    assert rows_ahead(q, 2, block) == 2 * 12 * 16
+    assert rows_ahead(q, 3, block) == 0  # no token n + 2
+    assert rows_ahead(q, 0, unit) == 0
+    assert rows_ahead(np.zeros((5, 8, 16), np.float32), 0, block) == 0  # adjacent tokens: the hardware's job
+
+
 def test_partial_rotation_passes_the_rest_through():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, 2, 64)).astype(np.float32)
