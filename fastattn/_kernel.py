@@ -26,6 +26,8 @@ from numba.core.errors import TypingError
 from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, overload
 
+from ._simd import prefetch_line
+
 FASTMATH = frozenset({"contract", "arcp", "reassoc", "nsz", "afn"})
 
 
@@ -304,11 +306,7 @@ def prefetch(typingctx, arr, offset):
 
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        address = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
-        i32 = ir.IntType(32)
-        fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(
-            ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]))
-        builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        prefetch_line(builder, builder.gep(data, [args[1]]))
         return context.get_dummy_value()
 
     return types.none(arr, offset), codegen

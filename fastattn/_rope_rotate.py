@@ -23,21 +23,12 @@ but the arithmetic inside (docs/rope.md has the measurements).
 """
 from __future__ import annotations
 
-from llvmlite import ir
 from numba import types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
-from ._simd import LANES, as_int64, check_array, const, element_stride, load8, loop, shuffle, store8
-
-
-def prefetch_line(builder, pointer):
-    """``prefetcht0`` of the cache line holding ``pointer`` (never faults)."""
-    i32 = ir.IntType(32)
-    fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(
-        ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]))
-    builder.call(fn, [builder.bitcast(pointer, ir.IntType(8).as_pointer()), ir.Constant(i32, 0),
-                      ir.Constant(i32, 3), ir.Constant(i32, 1)])
+from ._simd import (LANES, as_int64, check_array, const, element_stride, load8, loop, prefetch_line, shuffle,
+                    store8)
 
 
 def _rotation_codegen(adjacent: bool):

@@ -80,6 +80,15 @@ def store8(builder, dtype, data, offset, value):
     builder.store(bits, _vector_ptr(builder, data, offset, _V8_I16), align=2)
 
 
+def prefetch_line(builder, pointer):
+    """``prefetcht0`` of the cache line holding ``pointer`` (a hint: never faults, any address)."""
+    i32 = ir.IntType(32)
+    fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(
+        ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]))
+    builder.call(fn, [builder.bitcast(pointer, ir.IntType(8).as_pointer()), ir.Constant(i32, 0),
+                      ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
 def splat_int(builder, n: int):
     return ir.Constant(_V8_I32, [n] * LANES)
 
