@@ -888,7 +888,8 @@ def test_rope_ext_prefill_fast_path_gives_the_general_paths_bytes(data, mode, dt
     x = data.draw(strided((n, h, d), dtype))
     pos = positions(1, n, np.random.default_rng(n * 7 + d), pos_kind)
     out = data.draw(strided((n, h, d), dtype, contiguous_ok=where == "out")) if "out" in where else None
-    _fast_against_general("_fast_prefill", lambda a, o: fastattn.rope_ext(a, pos, **kwargs, out=o), x, out, where, threads)
+    _fast_against_general("_fast_prefill", lambda a, o: fastattn.rope_ext(a, pos, **kwargs, out=o), x, out, where,
+                          threads)
 
 
 def _fast_against_general(fast_path: str, call, x: StridedView, out: StridedView | None, where: str,
@@ -1057,7 +1058,8 @@ def test_apply_rope_cache_prefill_fast_path_gives_the_general_paths_bytes(data, 
     x = data.draw(strided((n, h, d), dtype))
     cache = fastattn.rope_cache(positions(streams, n, np.random.default_rng(n * 5 + d), "runs"), **kwargs)
     out = data.draw(strided((n, h, d), dtype, contiguous_ok=where == "out")) if "out" in where else None
-    _fast_against_general("_fast_prefill_cached", lambda a, o: fastattn.apply_rope_cache(a, cache, out=o), x, out, where, threads)
+    _fast_against_general("_fast_prefill_cached", lambda a, o: fastattn.apply_rope_cache(a, cache, out=o), x, out,
+                          where, threads)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
