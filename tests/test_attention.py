@@ -169,6 +169,20 @@ def test_split_kv_is_bit_identical_for_one_and_two_threads():
             assert np.array_equal(results[0].view(np.uint32), other.view(np.uint32))
 
 
+def test_split_kv_ranges_of_units_cover_every_unit_once():
+    """15 units (5 KV heads x 3 chunks) over 2 threads: ranges of 8 and 7 units, each thread helping the other's
+    range when its own is done. Every head's output must match the reference, at 1 and 2 threads alike."""
+    rng = np.random.default_rng(5)
+    Nkv = 1025  # 3 chunks
+    q = fill(rng, (1, 10, 1, 128), np.float32)
+    k = fill(rng, (1, 5, Nkv, 128), np.float32)
+    v = fill(rng, (1, 5, Nkv, 128), np.float32)
+    assert 5 * Nkv * 256 * 4 >= _threads.PARALLEL_MIN_BYTES  # the 2-thread call runs in parallel
+    one = check(q, k, v, path="split_kv", threads=1, scale=0.1)
+    two = check(q, k, v, path="split_kv", threads=2, scale=0.1)
+    assert np.array_equal(one.view(np.uint32), two.view(np.uint32))
+
+
 @pytest.mark.parametrize("path", ["one_chunk", "split_kv"])
 def test_float32_decode_value_updates_agree_bit_for_bit(path):
     """The float32 decode loop adds V rows by 16-column slices when V's rows are unit-stride and DV is a multiple
