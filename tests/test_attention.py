@@ -17,7 +17,7 @@ from attention_cases import FLOOR, naive_f32
 from strategies import attention_masks, dims, fill, float_dtypes, strided, thread_counts
 
 import fastattn
-from fastattn import _threads
+from fastattn import _attention_split_kv, _threads
 from fastattn import reference
 from fastattn.attention import choose_path
 
@@ -179,6 +179,10 @@ def test_split_kv_ranges_of_units_cover_every_unit_once():
     v = fill(rng, (1, 5, Nkv, 128), np.float32)
     assert 5 * Nkv * 256 * 4 >= _threads.PARALLEL_MIN_BYTES  # the 2-thread call runs in parallel
     one = check(q, k, v, path="split_kv", threads=1, scale=0.1)
+    # the partial buffers are reused per shape: poison them, so that a unit the 2-thread run skipped cannot
+    # pass on the 1-thread run's values
+    for buffer in _attention_split_kv._partials(1, 5, 3, 2, 128):
+        buffer.fill(np.nan)
     two = check(q, k, v, path="split_kv", threads=2, scale=0.1)
     assert np.array_equal(one.view(np.uint32), two.view(np.uint32))
 
