@@ -519,6 +519,27 @@ def test_one_and_two_threads_agree_on_a_prefill_sized_call(threads):
     assert np.array_equal(got, serial)
 
 
+@pytest.mark.parametrize("mode", [fastattn.ROPE_NEOX, fastattn.ROPE_NORMAL])
+@pytest.mark.parametrize("dtype", [FLOAT32, FLOAT16])
+def test_whole_row_lane_of_the_parallel_drivers_gives_the_serial_bytes(mode, dtype):
+    """One batch, out of place, whole rows: the parallel drivers (rope_ext's fused pass and apply_rope_cache's)
+    hand each token straight to the vector code (``rope._rotate_whole_rows``); the bytes are the serial path's."""
+    if _threads.max_threads() < 2:
+        pytest.skip("needs 2 threads")
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2 * CACHE_BLOCK + 24, 32, 64)).astype(dtype)
+    pos = np.arange(x.shape[0], dtype=np.int32) - 40
+    kwargs = dict(n_dims=64, mode=mode, freq_base=50000.0)
+    cache = fastattn.rope_cache(pos, **kwargs)
+    with fastattn.num_threads(1):
+        serial = fastattn.apply_rope_cache(x, cache)
+    with fastattn.num_threads(2):
+        assert _threads.threads_for(2 * x.nbytes) == 2
+        for _ in range(2):  # the general path, then the prefill fast paths it records
+            assert fastattn.rope_ext(x, pos, **kwargs).tobytes() == serial.tobytes()
+            assert fastattn.apply_rope_cache(x, cache).tobytes() == serial.tobytes()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Bad input: clear errors naming the argument, nothing written.
 def _bad_calls():
