@@ -23,6 +23,8 @@ Algorithm, in two passes:
    dim), a token's rows are rotated by explicit 8-wide vector code (``_rope_rotate``), 8 pairs a step, the few
    pairs past the last whole chunk by scalar code; rows with strided elements take strided scalar loops. One
    driver per (token step, serial/parallel); the pairing, in-place and layout flags are run-time arguments.
+   The parallel drivers check once per call whether every token is rotated whole by the vector code (one batch,
+   out of place, ``_whole_rows``) and then hand tokens straight to it, skipping the per-token choices.
 
 Layout: ``x`` (..., N, H, D) with any strides, e.g. Q = ``qkv[:, :H*D].reshape(N, H, D)`` of a fused projection
 output (a no-copy view), is read through its strides: leading axes are merged without a copy when NumPy can,
