@@ -644,6 +644,23 @@ def _add_fast_prefill_set_rows(key: tuple, params: _args.RopeParams, dst: np.nda
                                                array_type(idx.dtype, 1), array_type(pos.dtype, 1)) + _PLAN_ARGS)
 
 
+def _try_fast_prefill(x: np.ndarray, out: np.ndarray, pos: np.ndarray, key: tuple) -> bool:
+    """The first call of a plan, validated by the general path, through the prefill entry point just recorded:
+    the general path's own driver would be another compilation of ``_drive_fused`` (its arrays typed C-contiguous
+    where the entry point's are 'A'), about 20 s cold for the same bytes. False where the entry declines."""
+    entry, plan = _fast_prefill.get(x.dtype), _prefill_plans.get(key)
+    return (entry is not None and plan is not None
+            and entry(x, out, pos, *plan, _threads.PARALLEL_MIN_BYTES, _threads.get_num_threads()))
+
+
+def _try_fast_prefill_set_rows(dst: np.ndarray, x: np.ndarray, idx: np.ndarray, pos: np.ndarray, key: tuple) -> bool:
+    """``_try_fast_prefill`` for ``rope_set_rows``."""
+    entry = _fast_prefill_set_rows.get((dst.dtype, dst.ndim, x.dtype, idx.dtype))
+    plan = _prefill_plans.get(key)
+    return (entry is not None and plan is not None and dst.flags.writeable
+            and entry(dst, x, idx, pos, *plan, _threads.PARALLEL_MIN_BYTES, _threads.get_num_threads()))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Per-pair tables: which stream each pair reads and its float64 angle factor. Position-independent: memoised.
 def _c_max(a, b):
@@ -1007,14 +1024,19 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
                                 sections=sections, backward=backward)
     _args.parse_x(x)
     params.check_head_dim("x", x.shape[-1])
+    pos_1d = pos
     pos = _args.parse_pos(pos, params, x.shape[-3])
     out = _args.parse_out(out, x, dtypes=(x.dtype,))
     if out is x and not x.flags.writeable:
         raise ValueError("out (x, in place) must be writeable")
     nbytes = 2 * x.nbytes
     if nbytes >= _threads.PARALLEL_MIN_BYTES and x.shape[-3] >= 2 * CACHE_BLOCK:
-        n_threads = _threads.threads_for(nbytes)
         result = np.empty(x.shape, x.dtype) if out is None else out
+        if fast_key is not None:  # a 3-D x: the fast path takes this call already, and every such call after it
+            _add_fast_prefill(fast_key, params, x, pos_1d)
+            if _try_fast_prefill(x, result, pos_1d, fast_key):
+                return result
+        n_threads = _threads.threads_for(nbytes)
         x4 = _as_4d(x)
         out4 = _as_4d(result)
         if n_threads > 1 and x4 is not None and out4 is not None:  # one pass: cos/sin made per block of tokens
@@ -1026,8 +1048,6 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
                          token_layout(xk, ok), np.zeros(1, np.int64), n_threads)
         else:
             apply_rope_cache(x, _build_cache(pos, params), out=result)
-        if fast_key is not None:  # a 3-D x: the fast path takes the next such call, on any thread count
-            _add_fast_prefill(fast_key, params, x, pos)
         return result
     return apply_rope_cache(x, _build_cache(pos, params), out=out)
 
@@ -1059,11 +1079,14 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
                                 beta_fast=beta_fast, beta_slow=beta_slow, freq_factors=freq_factors,
                                 sections=sections, backward=backward)
     dst3, idx = _args.parse_set_rows(dst, x, idx, params, dst_dtypes=STORAGE_FLOATS)
+    pos_1d = pos
     pos = _args.parse_pos(pos, params, x.shape[0])
     if x.shape[0]:
+        if fast_key is not None:  # 3-D x: the fast path takes this call already, and every such call after it
+            _add_fast_prefill_set_rows(fast_key, params, dst, x, idx, pos_1d)
+            if _try_fast_prefill_set_rows(dst, x, idx, pos_1d, fast_key):
+                return dst
         _set_rows(dst3, x, idx, None, pos, params)
-        if fast_key is not None:  # 3-D x: the fast path takes the next such call, on any thread count
-            _add_fast_prefill_set_rows(fast_key, params, dst, x, idx, pos)
     return dst
 
 

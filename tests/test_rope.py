@@ -1068,6 +1068,37 @@ def test_rope_set_rows_prefill_fast_path_declines_other_and_bad_calls(threads):
             assert np.array_equal(changes.get("dst", cache), before), message
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_first_prefill_call_of_a_plan_takes_the_fast_path(threads):
+    """Once an entry point of x's dtypes exists, the first call of new scalar arguments, validated by the general
+    path, runs on the entry point (the general driver would be another cold compilation of ``_drive_fused``,
+    about 20 s), with the general path's bytes."""
+    n = 2 * CACHE_BLOCK
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((n, 2, 32)).astype(np.float32)
+    pos = (np.arange(n) * 3 - 40).astype(np.int32)
+    idx = np.arange(n, dtype=np.int64) + 1
+    with _prefill_sized_on(threads):
+        for freq_base in (10000.0, 20000.0):  # records both entry points (the second call takes them)
+            fastattn.rope_ext(x, pos, n_dims=32, mode=fastattn.ROPE_NEOX, freq_base=freq_base)
+            fastattn.rope_set_rows(np.zeros((n + 2, 64), np.float16), x, pos, idx, n_dims=32,
+                                   mode=fastattn.ROPE_NEOX, freq_base=freq_base)
+        for mode in (fastattn.ROPE_NORMAL, fastattn.ROPE_NEOX):
+            kwargs = dict(n_dims=16, mode=mode, freq_base=float(rng.uniform(1e3, 1e6)), freq_scale=0.5)
+            with pytest.MonkeyPatch.context() as mp:
+                _general_only(mp)
+                expected = fastattn.rope_ext(x, pos, **kwargs)
+                expected_rows = fastattn.rope_set_rows(np.zeros((n + 2, 64), np.float16), x, pos, idx, **kwargs)
+            _rope_module._prefill_plans.clear()  # new to the fast paths, as on a first call
+            with pytest.MonkeyPatch.context() as mp:
+                for general_driver in ("_drive_fused", "apply_rope_cache", "_set_rows"):
+                    mp.setattr(_rope_module, general_driver, _refuse)
+                got = fastattn.rope_ext(x, pos, **kwargs)
+                got_rows = fastattn.rope_set_rows(np.zeros((n + 2, 64), np.float16), x, pos, idx, **kwargs)
+            assert got.tobytes() == expected.tobytes()
+            assert got_rows.tobytes() == expected_rows.tobytes()
+
+
 # apply_rope_cache's prefill fast path (fastattn.rope._rope_prefill_cached): 3-D x with a prebuilt cache of any
 # mode, from _threads.PARALLEL_MIN_BYTES moved; taken once the general path has accepted a call of x's dtype.
 @given(data=st.data(), config=rope_configs(), dtype=st.sampled_from((FLOAT32, FLOAT16)), n=st.integers(2, 40),
