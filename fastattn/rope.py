@@ -644,6 +644,31 @@ def _add_fast_prefill_set_rows(key: tuple, params: _args.RopeParams, dst: np.nda
                                                array_type(idx.dtype, 1), array_type(pos.dtype, 1)) + _PLAN_ARGS)
 
 
+def _try_fast_cached(x: np.ndarray, out: np.ndarray, cache: RopeCache) -> bool:
+    """A 3-D ``apply_rope_cache`` call the general path validated, through the entry point of its size class just
+    recorded: the general driver would be one more cold compilation (``_drive_serial``, about 8 s) for the same
+    bytes. False where there is none or it declines."""
+    if x.__class__ is not _ND or out.__class__ is not _ND or not out.flags.writeable:
+        return False
+    args = (x, out, cache.cs, cache.n_pairs, cache.interleaved, cache.min_head_dim, cache.exact_head_dim,
+            _threads.PARALLEL_MIN_BYTES)
+    if 2 * x.nbytes < _threads.PARALLEL_MIN_BYTES:
+        entry = _fast.get(x.dtype)
+        return entry is not None and entry(*args)
+    entry = _fast_prefill_cached.get(x.dtype)
+    return entry is not None and entry(*args, _threads.get_num_threads())
+
+
+def _try_fast_set_rows(dst: np.ndarray, x: np.ndarray, idx: np.ndarray, cache: RopeCache) -> bool:
+    """``_try_fast_cached`` for a decode-sized ``apply_rope_cache_set_rows`` into a 2-D cache."""
+    if not (x.__class__ is _ND and dst.__class__ is _ND and idx.__class__ is _ND and x.ndim == 3
+            and dst.ndim == 2 and idx.ndim == 1 and dst.flags.writeable):
+        return False
+    entry = _fast_set_rows.get((dst.dtype, x.dtype, idx.dtype))
+    return entry is not None and entry(dst, x, idx, cache.cs, cache.n_pairs, cache.interleaved,
+                                       cache.min_head_dim, cache.exact_head_dim, _threads.PARALLEL_MIN_BYTES)
+
+
 def _try_fast_prefill(x: np.ndarray, out: np.ndarray, pos: np.ndarray, key: tuple) -> bool:
     """The first call of a plan, validated by the general path, through the prefill entry point just recorded:
     the general path's own driver would be another compilation of ``_drive_fused`` (its arrays typed C-contiguous
@@ -988,9 +1013,11 @@ def apply_rope_cache(x: np.ndarray, cache: RopeCache, *, out: np.ndarray | None 
         _args.parse_out(out, x, dtypes=(x.dtype,))
     elif not x.flags.writeable:
         raise ValueError("out (x, in place) must be writeable")
-    _apply(x, out, cache)
-    if x.ndim == 3:
+    if x.ndim == 3:  # the fast path takes this call already (see _try_fast_prefill), and every such call after it
         _add_fast(x)
+        if _try_fast_cached(x, out, cache):
+            return out
+    _apply(x, out, cache)
     return out
 
 
@@ -1106,8 +1133,10 @@ def apply_rope_cache_set_rows(dst: np.ndarray, x: np.ndarray, cache: RopeCache, 
     if x.shape[0] != cache.n_tokens:
         raise ValueError(f"x must have one token per cached position: {cache.n_tokens}, got {x.shape[0]}")
     if x.shape[0]:
-        _set_rows(dst3, x, idx, cache)
         _add_fast_set_rows(dst, x, idx)
+        if _try_fast_set_rows(dst, x, idx, cache):  # as in apply_rope_cache
+            return dst
+        _set_rows(dst3, x, idx, cache)
     return dst
 
 

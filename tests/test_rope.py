@@ -769,6 +769,7 @@ def _general_only(mp):
     mp.setattr(_rope_module._fast_set_rows, "get", lambda key: None)
     mp.setattr(_rope_module._fast_prefill, "get", lambda key: None)
     mp.setattr(_rope_module._fast_prefill_set_rows, "get", lambda key: None)
+    mp.setattr(_rope_module._fast_prefill_cached, "get", lambda key: None)
 
 
 def _warm_fast_paths(x_dtype, dst_dtype=FLOAT16, idx_dtype=np.dtype(np.int64)):
@@ -1097,6 +1098,51 @@ def test_first_prefill_call_of_a_plan_takes_the_fast_path(threads):
                 got_rows = fastattn.rope_set_rows(np.zeros((n + 2, 64), np.float16), x, pos, idx, **kwargs)
             assert got.tobytes() == expected.tobytes()
             assert got_rows.tobytes() == expected_rows.tobytes()
+
+
+def _forget_entry_points(mp, *fast_paths):
+    """As in a new process: no entry point recorded (the compiled code stays, so recording one is cheap)."""
+    for fast in fast_paths:
+        entries: dict = {}
+        mp.setattr(fast, "entries", entries)
+        mp.setattr(fast, "get", entries.get)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_first_call_of_a_dtype_takes_the_cached_fast_paths(threads):
+    """apply_rope_cache (decode-sized, in place and into a new array, and prefill-sized) and
+    apply_rope_cache_set_rows: the first call for x's dtypes, validated by the general path, runs on the entry
+    point it records (the general drivers would be more cold compilations), with the general path's bytes."""
+    rng = np.random.default_rng(12)
+    small = rng.standard_normal((3, 2, 32)).astype(np.float32)
+    small_cache = fastattn.rope_cache(np.array([5, -3, 900], np.int32), n_dims=16, mode=fastattn.ROPE_NEOX)
+    large = rng.standard_normal((2 * CACHE_BLOCK, 2, 32)).astype(np.float32)
+    large_cache = fastattn.rope_cache(np.arange(2 * CACHE_BLOCK, dtype=np.int32) * 7, n_dims=32,
+                                      mode=fastattn.ROPE_NORMAL)
+    idx = np.array([4, 0, 2])
+    rows = rng.standard_normal((6, 64)).astype(np.float16)
+
+    def calls():
+        in_place = small.copy()
+        fastattn.apply_rope_cache(in_place, small_cache, out=in_place)
+        dst = rows.copy()
+        fastattn.apply_rope_cache_set_rows(dst, small, small_cache, idx)
+        with _prefill_sized_on(threads):
+            prefill = fastattn.apply_rope_cache(large, large_cache)
+        return [in_place, fastattn.apply_rope_cache(small, small_cache), dst, prefill]
+
+    calls()  # compiles every entry point
+    with pytest.MonkeyPatch.context() as mp:
+        _general_only(mp)
+        expected = calls()
+    fast_paths = (_rope_module._fast, _rope_module._fast_set_rows, _rope_module._fast_prefill_cached)
+    with pytest.MonkeyPatch.context() as mp:
+        _forget_entry_points(mp, *fast_paths)
+        for general_driver in ("_apply", "_set_rows"):
+            mp.setattr(_rope_module, general_driver, _refuse)
+        got = calls()
+    for a, b in zip(got, expected):
+        assert a.tobytes() == b.tobytes()
 
 
 # apply_rope_cache's prefill fast path (fastattn.rope._rope_prefill_cached): 3-D x with a prebuilt cache of any
