@@ -644,45 +644,53 @@ def _add_fast_prefill_set_rows(key: tuple, params: _args.RopeParams, dst: np.nda
                                                array_type(idx.dtype, 1), array_type(pos.dtype, 1)) + _PLAN_ARGS)
 
 
-def _try_fast_cached(x: np.ndarray, out: np.ndarray, cache: RopeCache) -> bool:
-    """A 3-D ``apply_rope_cache`` call the general path validated, through the entry point of its size class just
-    recorded: the general driver would be one more cold compilation (``_drive_serial``, about 8 s) for the same
-    bytes. False where there is none or it declines."""
-    if x.__class__ is not _ND or out.__class__ is not _ND or not out.flags.writeable:
-        return False
-    args = (x, out, cache.cs, cache.n_pairs, cache.interleaved, cache.min_head_dim, cache.exact_head_dim,
-            _threads.PARALLEL_MIN_BYTES)
+# The fast paths' calls, from the top of the public functions (where the decode-sized ones are written out) and
+# again from their general paths: a first call,
+# once validated, records its entry point and runs on it (the general driver, typed C where the entry point's
+# arrays are 'A', would be one more cold compilation: about 20 s for _drive_fused, 8 s for _drive_serial). The
+# caller has checked what the entry points rely on: exact ndarray classes, numbers of axes, out writeable.
+def _try_fast_cached(x: np.ndarray, out: np.ndarray | None, cache: RopeCache) -> np.ndarray | None:
+    """3-D ``apply_rope_cache`` through the entry point of its size class: the array written, or None where there
+    is none or it declines (nothing written)."""
     if 2 * x.nbytes < _threads.PARALLEL_MIN_BYTES:
-        entry = _fast.get(x.dtype)
-        return entry is not None and entry(*args)
-    entry = _fast_prefill_cached.get(x.dtype)
-    return entry is not None and entry(*args, _threads.get_num_threads())
+        entry, n_threads = _fast.get(x.dtype), ()
+    else:  # the prefill one: ~70 us of Python after a large kernel
+        entry, n_threads = _fast_prefill_cached.get(x.dtype), (_threads.get_num_threads(),)
+    if entry is None:
+        return None
+    y = np.empty(x.shape, x.dtype) if out is None else out
+    if entry(x, y, cache.cs, cache.n_pairs, cache.interleaved, cache.min_head_dim, cache.exact_head_dim,
+             _threads.PARALLEL_MIN_BYTES, *n_threads):
+        return y
+    return None
 
 
 def _try_fast_set_rows(dst: np.ndarray, x: np.ndarray, idx: np.ndarray, cache: RopeCache) -> bool:
-    """``_try_fast_cached`` for a decode-sized ``apply_rope_cache_set_rows`` into a 2-D cache."""
-    if not (x.__class__ is _ND and dst.__class__ is _ND and idx.__class__ is _ND and x.ndim == 3
-            and dst.ndim == 2 and idx.ndim == 1 and dst.flags.writeable):
-        return False
+    """Decode-sized ``apply_rope_cache_set_rows`` into a 2-D cache through its entry point: False where there is
+    none or it declines (nothing written)."""
     entry = _fast_set_rows.get((dst.dtype, x.dtype, idx.dtype))
     return entry is not None and entry(dst, x, idx, cache.cs, cache.n_pairs, cache.interleaved,
                                        cache.min_head_dim, cache.exact_head_dim, _threads.PARALLEL_MIN_BYTES)
 
 
-def _try_fast_prefill(x: np.ndarray, out: np.ndarray, pos: np.ndarray, key: tuple) -> bool:
-    """The first call of a plan, validated by the general path, through the prefill entry point just recorded:
-    the general path's own driver would be another compilation of ``_drive_fused`` (its arrays typed C-contiguous
-    where the entry point's are 'A'), about 20 s cold for the same bytes. False where the entry declines."""
-    entry, plan = _fast_prefill.get(x.dtype), _prefill_plans.get(key)
-    return (entry is not None and plan is not None
-            and entry(x, out, pos, *plan, _threads.PARALLEL_MIN_BYTES, _threads.get_num_threads()))
+def _try_fast_prefill(x: np.ndarray, out: np.ndarray | None, pos: np.ndarray, plan: tuple | None
+                      ) -> np.ndarray | None:
+    """``rope_ext`` of 3-D x at 1-D int32 pos through its prefill entry point with a recorded ``plan``: the array
+    written, or None where there is no entry point or plan, or it declines (nothing written)."""
+    entry = _fast_prefill.get(x.dtype)
+    if entry is None or plan is None:
+        return None
+    y = np.empty(x.shape, x.dtype) if out is None else out
+    if entry(x, y, pos, *plan, _threads.PARALLEL_MIN_BYTES, _threads.get_num_threads()):
+        return y
+    return None
 
 
-def _try_fast_prefill_set_rows(dst: np.ndarray, x: np.ndarray, idx: np.ndarray, pos: np.ndarray, key: tuple) -> bool:
-    """``_try_fast_prefill`` for ``rope_set_rows``."""
+def _try_fast_prefill_set_rows(dst: np.ndarray, x: np.ndarray, idx: np.ndarray, pos: np.ndarray,
+                               plan: tuple | None) -> bool:
+    """``_try_fast_prefill`` for ``rope_set_rows``: False where there is no entry point or plan, or it declines."""
     entry = _fast_prefill_set_rows.get((dst.dtype, dst.ndim, x.dtype, idx.dtype))
-    plan = _prefill_plans.get(key)
-    return (entry is not None and plan is not None and dst.flags.writeable
+    return (entry is not None and plan is not None
             and entry(dst, x, idx, pos, *plan, _threads.PARALLEL_MIN_BYTES, _threads.get_num_threads()))
 
 
@@ -988,20 +996,19 @@ def apply_rope_cache(x: np.ndarray, cache: RopeCache, *, out: np.ndarray | None 
         raise TypeError(f"cache must be a RopeCache from fastattn.rope_cache, got {type(cache).__name__}")
     if x.__class__ is _ND and x.ndim == 3 and (out is None or (out.__class__ is _ND and out.ndim == 3
                                                            and out.dtype is x.dtype and out.flags.writeable)):
+        # the decode and prefill fast paths (see _dispatch), written out: through _try_fast_cached a decode call
+        # took 40-100 ns more (~1 us in all)
         if 2 * x.nbytes < _threads.PARALLEL_MIN_BYTES:
-            entry = _fast.get(x.dtype)  # the decode fast path (see _dispatch)
+            entry = _fast.get(x.dtype)
             if entry is not None:
                 y = np.empty(x.shape, x.dtype) if out is None else out
                 if entry(x, y, cache.cs, cache.n_pairs, cache.interleaved, cache.min_head_dim,
                          cache.exact_head_dim, _threads.PARALLEL_MIN_BYTES):
                     return y
         else:
-            entry = _fast_prefill_cached.get(x.dtype)  # the prefill one: ~70 us of Python after a large kernel
-            if entry is not None:
-                y = np.empty(x.shape, x.dtype) if out is None else out
-                if entry(x, y, cache.cs, cache.n_pairs, cache.interleaved, cache.min_head_dim,
-                         cache.exact_head_dim, _threads.PARALLEL_MIN_BYTES, _threads.get_num_threads()):
-                    return y
+            y = _try_fast_cached(x, out, cache)
+            if y is not None:
+                return y
     _args.parse_x(x)
     shape = x.shape
     cache.params.check_head_dim("x", shape[-1])
@@ -1013,9 +1020,9 @@ def apply_rope_cache(x: np.ndarray, cache: RopeCache, *, out: np.ndarray | None 
         _args.parse_out(out, x, dtypes=(x.dtype,))
     elif not x.flags.writeable:
         raise ValueError("out (x, in place) must be writeable")
-    if x.ndim == 3:  # the fast path takes this call already (see _try_fast_prefill), and every such call after it
+    if x.ndim == 3:  # the fast path takes this call already, and every such call after it
         _add_fast(x)
-        if _try_fast_cached(x, out, cache):
+        if x.__class__ is _ND and out.__class__ is _ND and _try_fast_cached(x, out, cache) is not None:
             return out
     _apply(x, out, cache)
     return out
@@ -1040,18 +1047,16 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
         # the prefill fast path (see _dispatch): the Python below costs 40-90 us right after a large kernel
         fast_key, plan = _prefill_plan(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor,
                                        beta_fast, beta_slow, backward, freq_factors)
-        entry = _fast_prefill.get(x.dtype)
-        if plan is not None and entry is not None:
-            y = np.empty(x.shape, x.dtype) if out is None else out
-            if entry(x, y, pos, *plan, _threads.PARALLEL_MIN_BYTES, _threads.get_num_threads()):
-                return y
+        y = _try_fast_prefill(x, out, pos, plan)
+        if y is not None:
+            return y
     params = _args.parse_params(n_dims=n_dims, mode=mode, freq_base=freq_base, freq_scale=freq_scale,
                                 n_ctx_orig=n_ctx_orig, ext_factor=ext_factor, attn_factor=attn_factor,
                                 beta_fast=beta_fast, beta_slow=beta_slow, freq_factors=freq_factors,
                                 sections=sections, backward=backward)
     _args.parse_x(x)
     params.check_head_dim("x", x.shape[-1])
-    pos_1d = pos
+    pos_1d = pos  # what the fast path takes, when fast_key is set
     pos = _args.parse_pos(pos, params, x.shape[-3])
     out = _args.parse_out(out, x, dtypes=(x.dtype,))
     if out is x and not x.flags.writeable:
@@ -1061,7 +1066,7 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
         result = np.empty(x.shape, x.dtype) if out is None else out
         if fast_key is not None:  # a 3-D x: the fast path takes this call already, and every such call after it
             _add_fast_prefill(fast_key, params, x, pos_1d)
-            if _try_fast_prefill(x, result, pos_1d, fast_key):
+            if _try_fast_prefill(x, result, pos_1d, _prefill_plans.get(fast_key)) is not None:
                 return result
         n_threads = _threads.threads_for(nbytes)
         x4 = _as_4d(x)
@@ -1097,21 +1102,19 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
         # the prefill fast path, as rope_ext's (see _dispatch)
         fast_key, plan = _prefill_plan(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor,
                                        beta_fast, beta_slow, backward, freq_factors)
-        entry = _fast_prefill_set_rows.get((dst.dtype, dst.ndim, x.dtype, idx.dtype))
-        if plan is not None and entry is not None and entry(dst, x, idx, pos, *plan, _threads.PARALLEL_MIN_BYTES,
-                                                            _threads.get_num_threads()):
+        if _try_fast_prefill_set_rows(dst, x, idx, pos, plan):
             return dst
     params = _args.parse_params(n_dims=n_dims, mode=mode, freq_base=freq_base, freq_scale=freq_scale,
                                 n_ctx_orig=n_ctx_orig, ext_factor=ext_factor, attn_factor=attn_factor,
                                 beta_fast=beta_fast, beta_slow=beta_slow, freq_factors=freq_factors,
                                 sections=sections, backward=backward)
     dst3, idx = _args.parse_set_rows(dst, x, idx, params, dst_dtypes=STORAGE_FLOATS)
-    pos_1d = pos
+    pos_1d = pos  # what the fast path takes, when fast_key is set
     pos = _args.parse_pos(pos, params, x.shape[0])
     if x.shape[0]:
         if fast_key is not None:  # 3-D x: the fast path takes this call already, and every such call after it
             _add_fast_prefill_set_rows(fast_key, params, dst, x, idx, pos_1d)
-            if _try_fast_prefill_set_rows(dst, x, idx, pos_1d, fast_key):
+            if _try_fast_prefill_set_rows(dst, x, idx, pos_1d, _prefill_plans.get(fast_key)):
                 return dst
         _set_rows(dst3, x, idx, None, pos, params)
     return dst
@@ -1123,9 +1126,10 @@ def apply_rope_cache_set_rows(dst: np.ndarray, x: np.ndarray, cache: RopeCache, 
     ``x`` (N, H, D) and write them into rows ``idx`` of ``dst`` ((R, H, D) or (R, H·D)). Returns ``dst``."""
     if type(cache) is not RopeCache:
         raise TypeError(f"cache must be a RopeCache from fastattn.rope_cache, got {type(cache).__name__}")
-    if (x.__class__ is _ND and dst.__class__ is _ND and idx.__class__ is _ND and x.ndim == 3 and dst.ndim == 2
-            and idx.ndim == 1 and dst.flags.writeable):
-        entry = _fast_set_rows.get((dst.dtype, x.dtype, idx.dtype))  # the decode fast path (see _dispatch)
+    fits_fast = (x.__class__ is _ND and dst.__class__ is _ND and idx.__class__ is _ND and x.ndim == 3
+                 and dst.ndim == 2 and idx.ndim == 1 and dst.flags.writeable)
+    if fits_fast:  # the decode fast path (see _dispatch), written out as in apply_rope_cache
+        entry = _fast_set_rows.get((dst.dtype, x.dtype, idx.dtype))
         if entry is not None and entry(dst, x, idx, cache.cs, cache.n_pairs, cache.interleaved, cache.min_head_dim,
                                        cache.exact_head_dim, _threads.PARALLEL_MIN_BYTES):
             return dst
@@ -1134,7 +1138,7 @@ def apply_rope_cache_set_rows(dst: np.ndarray, x: np.ndarray, cache: RopeCache, 
         raise ValueError(f"x must have one token per cached position: {cache.n_tokens}, got {x.shape[0]}")
     if x.shape[0]:
         _add_fast_set_rows(dst, x, idx)
-        if _try_fast_set_rows(dst, x, idx, cache):  # as in apply_rope_cache
+        if fits_fast and _try_fast_set_rows(dst, x, idx, cache):  # this call already, as in apply_rope_cache
             return dst
         _set_rows(dst3, x, idx, cache)
     return dst

@@ -1080,18 +1080,16 @@ def test_first_prefill_call_of_a_plan_takes_the_fast_path(threads):
     pos = (np.arange(n) * 3 - 40).astype(np.int32)
     idx = np.arange(n, dtype=np.int64) + 1
     with _prefill_sized_on(threads):
-        for freq_base in (10000.0, 20000.0):  # records both entry points (the second call takes them)
-            fastattn.rope_ext(x, pos, n_dims=32, mode=fastattn.ROPE_NEOX, freq_base=freq_base)
-            fastattn.rope_set_rows(np.zeros((n + 2, 64), np.float16), x, pos, idx, n_dims=32,
-                                   mode=fastattn.ROPE_NEOX, freq_base=freq_base)
+        fastattn.rope_ext(x, pos, n_dims=32, mode=fastattn.ROPE_NEOX)  # records both entry points
+        fastattn.rope_set_rows(np.zeros((n + 2, 64), np.float16), x, pos, idx, n_dims=32, mode=fastattn.ROPE_NEOX)
         for mode in (fastattn.ROPE_NORMAL, fastattn.ROPE_NEOX):
             kwargs = dict(n_dims=16, mode=mode, freq_base=float(rng.uniform(1e3, 1e6)), freq_scale=0.5)
             with pytest.MonkeyPatch.context() as mp:
                 _general_only(mp)
                 expected = fastattn.rope_ext(x, pos, **kwargs)
                 expected_rows = fastattn.rope_set_rows(np.zeros((n + 2, 64), np.float16), x, pos, idx, **kwargs)
-            _rope_module._prefill_plans.clear()  # new to the fast paths, as on a first call
             with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(_rope_module, "_prefill_plans", {})  # no plan recorded, as on a first call
                 for general_driver in ("_drive_fused", "apply_rope_cache", "_set_rows"):
                     mp.setattr(_rope_module, general_driver, _refuse)
                 got = fastattn.rope_ext(x, pos, **kwargs)
