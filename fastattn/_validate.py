@@ -95,6 +95,14 @@ def may_share_write(name: str, out: np.ndarray, *inputs: tuple[str, np.ndarray])
                              f"itself for in-place use or a separate array")
 
 
+def disjoint(name: str, out: np.ndarray, *inputs: tuple[str, np.ndarray | None]) -> None:
+    """Refuse an ``out`` that shares any memory with an input it is not allowed to alias (an index array, a
+    table, a weight read for every row): the op would read what it has already overwritten."""
+    for input_name, a in inputs:
+        if a is not None and np.may_share_memory(out, a):
+            raise ValueError(f"{name} overlaps {input_name}; pass separate arrays")
+
+
 def _same_view(a: np.ndarray, b: np.ndarray) -> bool:
     return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
             and a.shape == b.shape and a.strides == b.strides and a.dtype.itemsize == b.dtype.itemsize)

@@ -519,9 +519,9 @@ def _rope_ext_prefill(x, out, pos, streams, w, step_cos, step_sin, cos_scale, si
     if (out.shape != x.shape or pos.shape[0] != n_tokens or head_dim < n_dims or n_tokens < 2 * CACHE_BLOCK
             or 2 * x.size * x.itemsize < min_bytes):
         return False
-    mx, mo = meta(x), meta(out)
+    mx, mo, mp = meta(x), meta(out), meta(pos)
     in_place = same_view(mo, mx)
-    if (overlaps(mo, mx) and not in_place) or not (aligned(mx) and aligned(mo) and aligned(meta(pos))):
+    if (overlaps(mo, mx) and not in_place) or overlaps(mo, mp) or not (aligned(mx) and aligned(mo) and aligned(mp)):
         return False
     use_threads(n_threads)
     _drive_fused(x[np.newaxis], out[np.newaxis], None, None, pos[np.newaxis], streams, w, step_cos, step_sin,
@@ -802,7 +802,7 @@ def _rope_fast(x, out, cs, n_pairs, interleaved, min_head_dim, exact_head_dim, m
         return False
     mx, mo = meta(x), meta(out)
     in_place = same_view(mo, mx)
-    if not (unit_rows(mx) and unit_rows(mo)) or (overlaps(mo, mx) and not in_place):
+    if not (unit_rows(mx) and unit_rows(mo)) or (overlaps(mo, mx) and not in_place) or overlaps(mo, meta(cs)):
         return False
     _rope_tokens(x, out, cs, n_pairs, interleaved, in_place)
     return True
@@ -827,7 +827,8 @@ def _rope_set_rows_fast(dst, x, idx, cs, n_pairs, interleaved, min_head_dim, exa
     if not _fits_cache(n, d, cs, min_head_dim, exact_head_dim):
         return False
     md, mx, mi = meta(dst), meta(x), meta(idx)
-    if not (unit_rows(md) and unit_rows(mx) and aligned(mi)) or overlaps(md, mx) or overlaps(md, mi):
+    if (not (unit_rows(md) and unit_rows(mx) and aligned(mi)) or overlaps(md, mx) or overlaps(md, mi)
+            or overlaps(md, meta(cs))):
         return False
     for i in range(n):
         if idx[i] < 0 or idx[i] >= n_rows:
@@ -863,7 +864,7 @@ def _rope_prefill_cached(x, out, cs, n_pairs, interleaved, min_head_dim, exact_h
         return False
     mx, mo = meta(x), meta(out)
     in_place = same_view(mo, mx)
-    if (overlaps(mo, mx) and not in_place) or not (aligned(mx) and aligned(mo)):
+    if (overlaps(mo, mx) and not in_place) or overlaps(mo, meta(cs)) or not (aligned(mx) and aligned(mo)):
         return False
     use_threads(n_threads)
     _drive_parallel(x[np.newaxis], out[np.newaxis], None, None, cs, n_pairs, interleaved, in_place,
@@ -993,7 +994,7 @@ def apply_rope_cache(x: np.ndarray, cache: RopeCache, *, out: np.ndarray | None 
     ``out``: None (a new array of ``x``'s dtype), ``x`` itself (in place; dims past the rotated ones untouched),
     or an array of ``x``'s shape and dtype, possibly strided. Returns the array written."""
     if type(cache) is not RopeCache:
-        raise TypeError(f"cache must be a RopeCache from fastattn.rope_cache, got {type(cache).__name__}")
+        raise _args.cache_error(cache, "fastattn.rope_cache")
     if x.__class__ is _ND and x.ndim == 3 and (out is None or (out.__class__ is _ND and out.ndim == 3
                                                            and out.dtype is x.dtype and out.flags.writeable)):
         # the decode and prefill fast paths (see _dispatch), written out: through _try_fast_cached a decode call
@@ -1014,12 +1015,9 @@ def apply_rope_cache(x: np.ndarray, cache: RopeCache, *, out: np.ndarray | None 
     cache.params.check_head_dim("x", shape[-1])
     if shape[-3] != cache.n_tokens:
         raise ValueError(f"x must have one token per cached position: {cache.n_tokens}, got {shape[-3]}")
+    _args.parse_out(out, x, dtypes=(x.dtype,), reads=(("cache", cache.cs),))
     if out is None:
         out = np.empty(shape, x.dtype)
-    elif out is not x:
-        _args.parse_out(out, x, dtypes=(x.dtype,))
-    elif not x.flags.writeable:
-        raise ValueError("out (x, in place) must be writeable")
     if x.ndim == 3:  # the fast path takes this call already, and every such call after it
         _add_fast(x)
         if x.__class__ is _ND and out.__class__ is _ND and _try_fast_cached(x, out, cache) is not None:
@@ -1058,9 +1056,7 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
     params.check_head_dim("x", x.shape[-1])
     pos_1d = pos  # what the fast path takes, when fast_key is set
     pos = _args.parse_pos(pos, params, x.shape[-3])
-    out = _args.parse_out(out, x, dtypes=(x.dtype,))
-    if out is x and not x.flags.writeable:
-        raise ValueError("out (x, in place) must be writeable")
+    out = _args.parse_out(out, x, dtypes=(x.dtype,), reads=(("pos", pos), ("freq_factors", freq_factors)))
     nbytes = 2 * x.nbytes
     if nbytes >= _threads.PARALLEL_MIN_BYTES and x.shape[-3] >= 2 * CACHE_BLOCK:
         result = np.empty(x.shape, x.dtype) if out is None else out
@@ -1108,7 +1104,8 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
                                 n_ctx_orig=n_ctx_orig, ext_factor=ext_factor, attn_factor=attn_factor,
                                 beta_fast=beta_fast, beta_slow=beta_slow, freq_factors=freq_factors,
                                 sections=sections, backward=backward)
-    dst3, idx = _args.parse_set_rows(dst, x, idx, params, dst_dtypes=STORAGE_FLOATS)
+    dst3, idx = _args.parse_set_rows(dst, x, idx, params, dst_dtypes=STORAGE_FLOATS,
+                                     reads=(("pos", pos), ("freq_factors", freq_factors)))
     pos_1d = pos  # what the fast path takes, when fast_key is set
     pos = _args.parse_pos(pos, params, x.shape[0])
     if x.shape[0]:
@@ -1125,7 +1122,7 @@ def apply_rope_cache_set_rows(dst: np.ndarray, x: np.ndarray, cache: RopeCache, 
     """``rope_set_rows`` with a prebuilt ``cache`` (the one a decode step builds once for Q and K): rotate K rows
     ``x`` (N, H, D) and write them into rows ``idx`` of ``dst`` ((R, H, D) or (R, H·D)). Returns ``dst``."""
     if type(cache) is not RopeCache:
-        raise TypeError(f"cache must be a RopeCache from fastattn.rope_cache, got {type(cache).__name__}")
+        raise _args.cache_error(cache, "fastattn.rope_cache")
     fits_fast = (x.__class__ is _ND and dst.__class__ is _ND and idx.__class__ is _ND and x.ndim == 3
                  and dst.ndim == 2 and idx.ndim == 1 and dst.flags.writeable)
     if fits_fast:  # the decode fast path (see _dispatch), written out as in apply_rope_cache
@@ -1133,7 +1130,8 @@ def apply_rope_cache_set_rows(dst: np.ndarray, x: np.ndarray, cache: RopeCache, 
         if entry is not None and entry(dst, x, idx, cache.cs, cache.n_pairs, cache.interleaved, cache.min_head_dim,
                                        cache.exact_head_dim, _threads.PARALLEL_MIN_BYTES):
             return dst
-    dst3, idx = _args.parse_set_rows(dst, x, idx, cache.params, dst_dtypes=STORAGE_FLOATS)
+    dst3, idx = _args.parse_set_rows(dst, x, idx, cache.params, dst_dtypes=STORAGE_FLOATS,
+                                     reads=(("cache", cache.cs),))
     if x.shape[0] != cache.n_tokens:
         raise ValueError(f"x must have one token per cached position: {cache.n_tokens}, got {x.shape[0]}")
     if x.shape[0]:

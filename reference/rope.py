@@ -137,13 +137,13 @@ def _known(kwargs: dict) -> dict:
 def apply_rope_cache(x: np.ndarray, cache: RopeCache, *, out: np.ndarray | None = None) -> np.ndarray:
     """Rotate ``x`` (..., N, H, D) by a prebuilt ``cache``; returns ``x``'s dtype (or writes float64 ``out``)."""
     if not isinstance(cache, RopeCache):
-        raise TypeError(f"cache must be a RopeCache from fastattn.reference.rope_cache, got {type(cache).__name__}")
+        raise _args.cache_error(cache, "fastattn.reference.rope_cache")
     params = cache.params
     _args.parse_x(x)
     params.check_head_dim("x", x.shape[-1])
     if x.shape[-3] != cache.cos.shape[0]:
         raise ValueError(f"x must have one token per cached position: {cache.cos.shape[0]}, got {x.shape[-3]}")
-    out = _args.parse_out(out, x, dtypes=(x.dtype, np.float64))
+    out = _args.parse_out(out, x, dtypes=(x.dtype, np.float64), reads=(("cache", cache.cos), ("cache", cache.sin)))
     result = _rotate(x.astype(np.float64), cache.cos, cache.sin, params)
     if out is None:
         return result.astype(x.dtype)
@@ -180,7 +180,7 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
     _args.parse_x(x)
     params.check_head_dim("x", x.shape[-1])
     pos = _args.parse_pos(pos, params, x.shape[-3])
-    _args.parse_out(out, x, dtypes=(x.dtype, np.float64))
+    _args.parse_out(out, x, dtypes=(x.dtype, np.float64), reads=(("pos", pos), ("freq_factors", freq_factors)))
     theta, mscale = rope_angles(pos, params)
     sign = -1.0 if params.backward else 1.0
     cache = RopeCache(np.cos(theta) * mscale, np.sin(theta) * mscale * sign, params)
@@ -192,7 +192,8 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
     """``rope_ext(x)`` (x: (N, H, D)) written into rows ``idx`` of the cache ``dst`` ((R, H, D) or (R, H·D)),
     converted to ``dst``'s dtype; duplicate indices: the last row wins. Returns ``dst``."""
     params = _args.parse_params(n_dims=n_dims, mode=mode, **{**_DEFAULTS, **_known(kwargs)})
-    dst3, idx = _args.parse_set_rows(dst, x, idx, params, dst_dtypes=STORAGE_FLOATS)
+    dst3, idx = _args.parse_set_rows(dst, x, idx, params, dst_dtypes=STORAGE_FLOATS,
+                                     reads=(("pos", pos), ("freq_factors", kwargs.get("freq_factors"))))
     _args.parse_pos(pos, params, x.shape[0])
     rotated = rope_ext(x, pos, n_dims=n_dims, mode=mode, out=np.empty(x.shape), **kwargs)
     for i, row in enumerate(idx):  # in order, so the last of duplicate indices wins
@@ -203,8 +204,9 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
 def apply_rope_cache_set_rows(dst: np.ndarray, x: np.ndarray, cache: RopeCache, idx: np.ndarray) -> np.ndarray:
     """``rope_set_rows`` with a prebuilt ``cache``: rows ``idx`` of ``dst`` receive ``apply_rope_cache(x, cache)``."""
     if not isinstance(cache, RopeCache):
-        raise TypeError(f"cache must be a RopeCache from fastattn.reference.rope_cache, got {type(cache).__name__}")
-    dst3, idx = _args.parse_set_rows(dst, x, idx, cache.params, dst_dtypes=STORAGE_FLOATS)
+        raise _args.cache_error(cache, "fastattn.reference.rope_cache")
+    dst3, idx = _args.parse_set_rows(dst, x, idx, cache.params, dst_dtypes=STORAGE_FLOATS,
+                                     reads=(("cache", cache.cos), ("cache", cache.sin)))
     if x.shape[0] != cache.cos.shape[0]:
         raise ValueError(f"x must have one token per cached position: {cache.cos.shape[0]}, got {x.shape[0]}")
     rotated = apply_rope_cache(x, cache, out=np.empty(x.shape))

@@ -5,6 +5,7 @@ Everything is checked here, before any output is touched, so both sides reject t
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +20,7 @@ X_DTYPES = (_validate.FLOAT32, _validate.FLOAT16)
 #: int32 is ggml's position type; int64 is accepted as long as the values fit in int32.
 POS_DTYPES = _validate.INDEX_INTS
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,10 @@ def _parse_params(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, a
     for name, beta in (("beta_fast", beta_fast), ("beta_slow", beta_slow)):
         if beta <= 0:
             raise ValueError(f"{name} must be > 0, got {beta}")
+    mscale = attn_factor * (1.0 + 0.1 * math.log(1.0 / freq_scale) if ext_factor != 0 else 1.0)
+    if not abs(mscale) <= _FLOAT32_MAX:  # the kernels store cos and sin times mscale as float32
+        raise ValueError(f"attn_factor must keep the magnitude scale within float32's range (|scale| <= "
+                         f"{_FLOAT32_MAX:.6g}), got attn_factor={attn_factor} (scale {mscale:.6g})")
     if not isinstance(backward, (bool, np.bool_)):
         raise TypeError(f"backward must be a bool, got {type(backward).__name__}")
 
@@ -181,17 +187,25 @@ def parse_x(x, name: str = "x", *, ndim: int | None = None) -> np.ndarray:
     return x
 
 
-def parse_out(out, x: np.ndarray, *, dtypes) -> np.ndarray | None:
-    """``out`` None, ``x`` itself (in place), or a writeable array of ``x``'s shape not partially aliasing it."""
-    if out is None or out is x:
+def parse_out(out, x: np.ndarray, *, dtypes, reads: tuple = ()) -> np.ndarray | None:
+    """``out`` None, ``x`` itself (in place), or a writeable array of ``x``'s shape not partially aliasing it.
+    ``reads``: (name, array) pairs of the other inputs (positions, tables), which the written array may not
+    overlap at all."""
+    if out is None:
         return out
-    _validate.out_array("out", out, shape=x.shape, dtypes=dtypes)
-    _validate.may_share_write("out", out, ("x", x))
+    if out is not x:
+        _validate.out_array("out", out, shape=x.shape, dtypes=dtypes)
+        _validate.may_share_write("out", out, ("x", x))
+    elif not x.flags.writeable:
+        raise ValueError("out (x, in place) must be writeable")
+    _validate.disjoint("out", out, *reads)
     return out
 
 
-def parse_set_rows(dst, x, idx, params: RopeParams, *, dst_dtypes) -> tuple[np.ndarray, np.ndarray]:
-    """``dst`` (R, H, D) or (R, H·D) cache; ``x`` (N, H, D); ``idx`` (N,) int32/int64 in [0, R).
+def parse_set_rows(dst, x, idx, params: RopeParams, *, dst_dtypes, reads: tuple = ()
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """``dst`` (R, H, D) or (R, H·D) cache; ``x`` (N, H, D); ``idx`` (N,) int32/int64 in [0, R). ``reads``:
+    (name, array) pairs of the other inputs (positions, tables); ``dst`` may overlap none of them, nor x or idx.
 
     Returns ``dst`` as an (R, H, D) view (no copy) and ``idx``."""
     _validate.array("x", x, dtypes=X_DTYPES, ndim=3)
@@ -216,9 +230,8 @@ def parse_set_rows(dst, x, idx, params: RopeParams, *, dst_dtypes) -> tuple[np.n
                              ) from None
     else:
         raise ValueError(f"dst must have 2 or 3 axes ((R, H·D) or (R, H, D)), got shape {dst.shape}")
-    if np.may_share_memory(dst, x):
-        raise ValueError("dst overlaps x; pass a separate cache")
     _validate.array("idx", idx, dtypes=_validate.INDEX_INTS, ndim=1)
+    _validate.disjoint("dst", dst, ("x", x), ("idx", idx), *reads)
     if idx.shape[0] != n:
         raise ValueError(f"idx must have one row index per token: {n}, got {idx.shape[0]}")
     rows = dst3.shape[0]
@@ -230,3 +243,13 @@ def parse_set_rows(dst, x, idx, params: RopeParams, *, dst_dtypes) -> tuple[np.n
             bad = idx[(idx < 0) | (idx >= rows)][0]
             raise ValueError(f"idx values must be in [0, {rows}) (dst rows), got {bad}")
     return dst3, idx
+
+
+def cache_error(cache, maker: str) -> TypeError:
+    """The error for a ``cache`` argument that is not a RopeCache made by ``maker`` (each side, fast and reference,
+    takes only its own: the fast one holds float32 tables, the reference's float64)."""
+    got = type(cache)
+    return TypeError(f"cache must be a RopeCache made by {maker}, got {got.__module__}.{got.__qualname__}"
+                     + (" (a cache of the other side: build one with " + maker + ")"
+                        if got.__name__ == "RopeCache" else ""))
+
