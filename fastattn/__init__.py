@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 
 from ._modes import ROPE_IMROPE, ROPE_MROPE, ROPE_NEOX, ROPE_NORMAL, ROPE_VISION, RopeMode
+from . import _threads
 from ._threads import get_num_threads, num_threads, set_num_threads
 
 __version__ = "0.1.0"
@@ -33,6 +34,8 @@ def __getattr__(name: str):
     if module is None:
         raise AttributeError(f"module 'fastattn' has no attribute {name!r}")
     value = getattr(importlib.import_module(module, __name__), name)
+    if callable(value) and name != "rope_cache":  # rope_cache launches nothing that could run concurrently
+        value = _threads.guard(value)
     globals()[name] = value
     return value
 
