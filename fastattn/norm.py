@@ -36,6 +36,17 @@ from ._kernel import assume_contiguous, from_f32, kernel, kernel_view, to_f32
 
 _ND = np.ndarray
 _MAX_EPS = float(np.finfo(np.float64).max)
+_MAX_F32 = float(np.finfo(np.float32).max)
+
+
+@kernel
+def _norm_vec_wide(xr, wr, yr, inverse):
+    """``yr = xr * inverse * wr`` with the product taken in float64 (``inverse`` beyond float32's range)."""
+    for j in range(xr.shape[0]):
+        y = np.float64(to_f32(xr[j])) * inverse
+        if wr is not None:
+            y *= to_f32(wr[j % wr.shape[0]])
+        yr[j] = from_f32(np.float32(y), yr)
 
 
 @kernel
@@ -49,7 +60,11 @@ def _norm_vec(xr, wr, yr, eps):
     for j in range(d):
         v = np.float64(to_f32(xr[j]))
         total += v * v
-    scale = np.float32(1.0 / np.sqrt(total / d + eps))
+    inverse = 1.0 / np.sqrt(total / d + eps)
+    if inverse > _MAX_F32:  # a row of float32 subnormals: its float32 scale would overflow, scale in float64
+        _norm_vec_wide(xr, wr, yr, inverse)
+        return
+    scale = np.float32(inverse)
     # In place, the loops read yr itself: with two names for one row LLVM's runtime overlap check would take its
     # scalar loop (2.5x slower).
     in_place = xr.ctypes.data == yr.ctypes.data

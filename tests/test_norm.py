@@ -388,3 +388,28 @@ def test_fast_kernel_vectorises():
     asm = uncached.inspect_asm(signature)
     assert re.search(r"vcvtps2pd\s+.*ymm", asm), "the float64 sum of squares did not vectorise"
     assert re.search(r"vmulps\s+.*ymm", asm), "the scaling loop did not vectorise"
+
+
+@given(op=st.sampled_from(OPS), d=dims(1, 300), seed=seeds, threads=thread_counts,
+       magnitude=st.sampled_from((1e-45, 1e-42, 1e-39)), decode_fast_path=st.booleans())
+def test_rows_of_float32_subnormals_normalise_like_the_reference(op, d, seed, threads, magnitude,
+                                                                 decode_fast_path):
+    """Rows of float32 subnormals with eps = 0: mean(x²) is fine in float64 but 1/rms is beyond float32's range;
+    the result is still x / rms (values around ±1), not ±inf."""
+    rng = np.random.default_rng(seed)
+    n_rows = 2 if decode_fast_path else 600
+    x = (rng.standard_normal((n_rows, d)) * magnitude).astype(np.float32)
+    x[:, 0] = np.float32(magnitude) if magnitude > 1e-45 else np.float32(1e-45)  # no all-zero row
+    w = rng.standard_normal(d).astype(np.float32)
+    residual = np.zeros_like(x)
+    with fastattn.num_threads(threads):
+        for _ in range(2):  # the second call of a decode-sized shape takes the fast path
+            fast = call(op, fastattn, x, w, 0.0, residual)
+    expected = call(op, ref, x, w, 0.0, residual, out=np.empty(x.shape), **(
+        {"sum_out": np.empty(x.shape)} if op == "add_rms_norm_mul" else {}))
+    if op == "add_rms_norm_mul":
+        fast, expected = fast[1], expected[1]
+    assert np.isfinite(fast).all()
+    with np.errstate(all="ignore"):
+        naive = naive_f32(x.astype(np.float64), w, 0.0).astype(np.float64)  # float64: float32 would overflow too
+    assert_within_rule(fast, expected, naive, floor=FLOOR, what=f"{op} {magnitude}")
