@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -210,9 +211,13 @@ def test_backward_undoes_forward(config, seed, threads):
     with run_on(threads):
         y = fastattn.rope_ext(x, pos, **fwd)
         back = fastattn.rope_ext(y, pos, **{**fwd, "backward": True})
-    # rotations are orthogonal; the magnitude scale is applied both ways (ggml's rope_back keeps it)
+    # rotations are orthogonal; the magnitude scale is applied both ways to the rotated dims (ggml's rope_back
+    # keeps it), and the dims past n_dims are copied unchanged both ways
     scale = _mscale(kwargs) ** 2
-    np.testing.assert_allclose(back, x * scale, atol=2e-6 * max(1.0, scale) * float(np.abs(x).max()))
+    rotated = d if kwargs["mode"] == fastattn.ROPE_VISION else kwargs["n_dims"]
+    expected = x.copy()
+    expected[..., :rotated] *= scale
+    np.testing.assert_allclose(back, expected, atol=2e-6 * max(1.0, scale) * float(np.abs(x).max()))
 
 
 @given(mode=st.sampled_from((fastattn.ROPE_MROPE, fastattn.ROPE_IMROPE)), config=rope_configs(mode=2),
@@ -1184,3 +1189,20 @@ def test_apply_rope_cache_prefill_fast_path_declines_bad_calls(threads):
             with pytest.raises(error, match=message):
                 fastattn.apply_rope_cache(x, cache, **{"out": x, **changes})
             assert np.array_equal(buf, before), message
+
+
+@pytest.mark.parametrize("lib", [fastattn, ref])
+def test_attn_factor_beyond_float32_raises_and_writes_nothing(lib):
+    """cos and sin are stored times the magnitude scale in float32: a scale beyond its range is refused."""
+    x = np.ones((3, 2, 8), np.float32)
+    out = np.zeros_like(x)
+    pos = np.arange(3, dtype=np.int32)
+    f32_max = float(np.finfo(np.float32).max)
+    for kwargs in ({"attn_factor": 2 * f32_max}, {"attn_factor": -2 * f32_max},
+                   {"attn_factor": f32_max, "ext_factor": 1.0, "freq_scale": 0.5}):
+        with pytest.raises(ValueError, match="attn_factor"):
+            lib.rope_ext(x, pos, n_dims=8, mode=fastattn.ROPE_NEOX, out=out, **kwargs)
+        assert not out.any()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lib.rope_ext(x[:1], pos[:1] * 0, n_dims=8, mode=fastattn.ROPE_NEOX, attn_factor=1e38, out=out[:1])
