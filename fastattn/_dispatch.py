@@ -1,36 +1,39 @@
-"""The fast paths: compiled entry points called without Numba's dispatcher, checks inside the kernel.
+"""Routes: compiled entry points that take a class of calls without Numba's dispatcher, checks inside.
 
 A decode step calls each op on one row, where the kernel takes well under a microsecond and the Python around it
-(argument checks, ``np.may_share_memory``, views, the dispatcher typing every argument) took three times that.
-An op's fast path therefore does in Python only what the compiled code relies on, and falls back to its general
-path on anything else:
+(argument checks, ``np.may_share_memory``, views, the dispatcher typing every argument) took three times that; a
+prefill call pays the same Python again right after a kernel that flushed the caches (40-90 µs instead of ~10).
+So every op has the same three parts, in this order:
 
-1. Python checks each argument's exact class (``numpy.ndarray``) and number of axes (the entry point does not:
-   it would read a wrong-rank array out of bounds), that an output is writeable, and the dtypes, by looking up
-   the entry point keyed on them (``FastPath``). An op records a key only after its general path accepted a call
-   with those dtypes, so a hit needs no dtype check of its own.
-2. The kernel checks the rest (shapes, value ranges, overlaps as ``np.may_share_memory`` judges them, the size
-   from which the op runs in parallel, alignment and unit-stride rows) *before it writes anything*, and returns
-   False when any fails.
-3. On a miss or a False the op runs its general path, which validates everything and raises its usual message,
-   or does the work (other strides, leading axes, broadcasting, parallel kernels, ...).
+1. **The guard** (at most one short test, at the top of the public function): each argument's exact class
+   (``numpy.ndarray``) and number of axes, an output's writeable flag, and the route's entry point looked up by
+   the dtypes (``Route.get``). An entry exists only for a key the general path has accepted once, so a hit needs
+   no dtype check of its own.
+2. **The route** (``Route``): its entry kernel checks everything else it relies on (shapes, value ranges,
+   overlaps as ``np.may_share_memory`` judges them, sizes, alignment, unit-stride rows) *before it writes
+   anything*, and returns False to decline.
+3. **The general path**: parses every argument once (raising the op's usual errors), and when a route accepts the
+   parsed call it runs that route itself (``Route.run``: the entry point is compiled, or loaded from Numba's
+   cache, on first use, so a first call runs the very code later calls take); anything else (other strides,
+   leading axes, broadcasting, ...) runs on the general drivers.
 
-Larger calls take the same route, because right after a kernel that streamed megabytes the interpreter's own
-data is cold and the general path's Python costs 40-90 µs instead of ~10: ``rope_ext`` and ``rope_set_rows`` of a
-prefill (3-D x, int32 positions; the scalar arguments looked up with their classes, freq_factors by dtype, shape
-and bytes), ``apply_rope_cache`` of a prefill (3-D x) and ``flash_attn_ext`` decode on one_chunk (no mask, sinks, ALiBi or softcap). Their kernels set Numba's thread count themselves (``_kernel.use_threads``).
+``ROUTES`` holds every route by name. ``general_only()`` and ``forget_routes()`` are the test hooks (re-exported
+by ``fastattn.testing``): the first makes every call take the general drivers, the second forgets every entry
+point, as a new process would.
 
-Entry points are compiled for any-layout (``A``) arrays (``array_type``), one per dtype combination for every
-layout: a C-contiguous or read-only array fits such a parameter (only the static typing differs, not the data
-model). The kernel retypes the unit-stride rows contiguous (``_kernel.assume_contiguous``) so that they vectorise.
-Half-precision arrays are passed as they are to entry points compiled for their 16-bit integer views
-(``_kernel.kernel_view``): the unboxing reads the data pointer, shape, strides and itemsize and checks only the
-itemsize, so no view is made. Only compiled code is cached, keyed on types; nothing about a particular array is
-remembered between calls.
+Entry points are compiled for any-layout (``A``) arrays (``array_type``), one per key (dtypes, and numbers of
+axes where a route takes several): a C-contiguous or read-only array fits such a parameter (only the static
+typing differs, not the data model). The kernel retypes the unit-stride rows contiguous
+(``_kernel.assume_contiguous``) so that they vectorise. Half-precision arrays are passed as they are to entry
+points compiled for their 16-bit integer views (``_kernel.kernel_view``): the unboxing reads the data pointer,
+shape, strides and itemsize and checks only the itemsize, so no view is made. Only compiled code is cached, keyed
+on types; nothing about a particular array is remembered between calls.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+from typing import Callable, Iterator
 
 import numpy as np
 from numba import types
@@ -42,33 +45,90 @@ from ._kernel import _HALF_VIEW, kernel
 
 
 def array_type(dtype: np.dtype, ndim: int) -> types.Array:
-    """The Numba type of a fast entry point's parameter for arrays of ``dtype`` (storage float or index int):
-    its kernel view's element type, any layout ('A'), writeable and aligned as ``numba.typeof`` types an ordinary
-    array. So a row the kernel retypes contiguous has the very type of a row of a C-contiguous array in the
-    general path, whose row functions (compiled already) are then shared, not compiled again. The kernel checks
-    the alignment (``unit_rows``, ``aligned``) before it reads anything, and never writes its inputs."""
+    """The Numba type of an entry kernel's parameter for arrays of ``dtype`` (storage float or index int): its
+    kernel view's element type, any layout ('A'), writeable and aligned as ``numba.typeof`` types an ordinary
+    array. The kernel checks the alignment (``unit_rows``, ``aligned``) before it reads anything, and never
+    writes its inputs."""
     return types.Array(numpy_support.from_dtype(_HALF_VIEW.get(dtype, dtype)), ndim, "A")
 
 
-class FastPath:
-    """Entry points of one kernel, keyed on the dtypes of its array arguments (a tuple, in argument order).
+#: Every route, by name.
+ROUTES: dict[str, "Route"] = {}
+_general_only = False
 
-    ``get(key)`` returns the entry point or None; ``add(key, arg_types)`` compiles (or loads from Numba's cache)
-    the kernel for ``arg_types`` and remembers its entry point under ``key``. The caller guarantees that the
-    key determines ``arg_types`` and that every argument's ndim matches them (the entry point does not check).
+
+def _no_entry(key):
+    return None
+
+
+class Route:
+    """A class of calls an entry kernel takes without Numba's dispatcher (module docstring).
+
+    ``kernel``: the entry kernel (a ``numba.njit`` dispatcher) returning True when it did the work, False when it
+    declined having written nothing. ``arg_types(*key)``: the Numba types of its parameters for a key (a tuple of
+    dtypes, None and small ints that determines them; the caller guarantees every array's number of axes).
     """
 
-    def __init__(self, dispatcher):
-        self.dispatcher = dispatcher
+    def __init__(self, name: str, kernel, arg_types: Callable[..., tuple]):
+        self.name = name
+        self.kernel = kernel
+        self.arg_types = arg_types
         self.entries: dict = {}
-        self.get = self.entries.get  # the hot lookup, one bound method call
+        self.get = self.entries.get  # the guard's lookup: one bound method call
+        #: Calls the general path handed to this route and the route took (what the route tests count).
+        self.taken = 0
         self._lock = threading.Lock()
+        if name in ROUTES:
+            raise ValueError(f"a route named {name!r} exists already")
+        ROUTES[name] = self
 
-    def add(self, key: tuple, arg_types: tuple) -> None:
-        with self._lock:
-            if key not in self.entries:
-                self.dispatcher.compile(arg_types)
-                self.entries[key] = self.dispatcher.overloads[arg_types].entry_point
+    def entry(self, key: tuple):
+        """The entry point for ``key``, compiled or loaded from Numba's cache on first use (None under
+        ``general_only``). For the general path, which has validated a call of this key."""
+        entry = self.entries.get(key)
+        if entry is None:
+            if _general_only:
+                return None
+            with self._lock:
+                entry = self.entries.get(key)
+                if entry is None:
+                    arg_types = self.arg_types(*key)
+                    self.kernel.compile(arg_types)
+                    entry = self.entries[key] = self.kernel.overloads[arg_types].entry_point
+        return entry
+
+    def run(self, key: tuple, *args) -> bool:
+        """The general path's use: run the call on this route's entry point; False when it declines."""
+        entry = self.entry(key)
+        if entry is None or not entry(*args):
+            return False
+        self.taken += 1
+        return True
+
+
+@contextlib.contextmanager
+def general_only() -> Iterator[None]:
+    """Within the block every call takes its op's general path and general drivers, never a route (the results
+    routes must reproduce byte for byte)."""
+    global _general_only
+    saved = _general_only
+    _general_only = True
+    for route in ROUTES.values():
+        route.get = _no_entry
+    try:
+        yield
+    finally:
+        _general_only = saved
+        if not saved:
+            for route in ROUTES.values():
+                route.get = route.entries.get
+
+
+def forget_routes() -> None:
+    """Forget every route's entry points, as a new process would (the compiled code stays in Numba's caches)."""
+    for route in ROUTES.values():
+        with route._lock:
+            route.entries.clear()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The RoPE rotation of a token's head rows, as explicit 8-wide vector code (``_simd``).
+"""The RoPE rotation of one token's head rows (H, D): explicit 8-wide vector code, and scalar loops for the rest.
 
 ``rotate_rows_split(src, dst, cos, sin, ahead)`` (NEOX pairing) and ``rotate_rows_adjacent(src, dst, cos, sin,
 ahead)`` (NORMAL pairing) rotate every row h of ``src`` (H, D) into the same row of ``dst``, for the pairs of
@@ -7,26 +7,30 @@ the whole chunks of 8: p < 8·(n_pairs // 8) with n_pairs = len(cos). For pair p
     NEOX   (a, b) = (row[p], row[p + n_pairs])      NORMAL   (a, b) = (row[2p], row[2p + 1])
     a' = a·cos − b·sin,  b' = a·sin + b·cos    (float32, every product rounded on its own: no FMA)
 
-The remaining pairs and the dims past the rotated span are the caller's. ``ahead`` != 0 also asks for
-(``prefetcht0``) the D elements ``ahead`` elements past each src row before rotating it, e.g. the same row of
-the next token (``rope._rotate_step`` says when). NORMAL loads 16 dims as two vectors,
-splits them into the a and b lanes and interleaves the results back with shuffles.
+``ahead`` != 0 also asks for (``prefetcht0``) the D elements ``ahead`` elements past each src row before
+rotating it, e.g. the same row of a later token (``_rope_drivers._rows_ahead`` says when). NORMAL loads 16 dims
+as two vectors, splits them into the a and b lanes and interleaves the results back with shuffles. src and dst
+may be the same array (in place: each chunk is read before it is written) or arrays of different kernel dtypes
+(float32 / float16 bits / bfloat16 bits: widened on load, rounded to nearest even on store); their rows may lie
+anywhere, but each row's elements must be adjacent, as must cos and sin's (``token_layout`` tells).
 
-src and dst may be the same array (in place: each chunk is read before it is written) or different arrays of
-different kernel dtypes (float32 / float16 bits / bfloat16 bits: widened on load, rounded to nearest even on
-store). Their rows may lie anywhere (any row stride, negative included); each row's elements must be adjacent,
-as must cos and sin's (1-D float32, e.g. slices of a cache row): the caller checks (``rope.token_layout``).
+``rope_block`` rotates a whole token: the vector code for the chunks of 8, then scalar loops for the pairs past
+the last whole chunk and the dims past the rotated span (copied out of place, left alone in place); rows whose
+elements are not adjacent take strided scalar loops.
 
-Why: written as Numba loops, each (row, 64 pairs) cost LLVM's runtime overlap checks and loop set-up on top of
-its 8 vector iterations, about as much again as the work; here a token's 32 rows are one loop nest with nothing
-but the arithmetic inside (docs/rope.md has the measurements).
+Why intrinsics: written as Numba loops, each (row, 64 pairs) paid LLVM's runtime overlap checks and loop set-up
+on top of its 8 vector iterations, about as much again as the work; here a token's rows are one loop nest with
+nothing but the arithmetic inside.
 """
 from __future__ import annotations
 
+import numba
+import numpy as np
 from numba import types
 from numba.core.errors import TypingError
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
+from ._kernel import KERNEL_OPTIONS, from_f32, to_f32
 from ._simd import (LANES, as_int64, check_array, const, element_stride, load8, loop, prefetch_line, shuffle,
                     store8)
 
@@ -110,3 +114,150 @@ def _typer(name, adjacent):
 
 rotate_rows_split = intrinsic(_typer("rotate_rows_split", adjacent=False))
 rotate_rows_adjacent = intrinsic(_typer("rotate_rows_adjacent", adjacent=True))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A token's rows, whole: the vector code above for the chunks of 8 pairs, scalar loops for the rest and for rows
+# whose elements are not adjacent. Helpers are inlined into the drivers (a call per head row costs as much as its
+# work). No FMA contraction or reassociation here: a*c - b*s could contract either way, differently in the vectorised
+# body, the scalar remainder and the serial and parallel builds; with every product rounded on its own the
+# result is bit-identical across layouts and thread counts (and the op stays memory-bound).
+_EXACT = dict(KERNEL_OPTIONS, fastmath={"nsz", "arcp"})
+_INLINE = dict(_EXACT, inline="always")
+
+
+def _store(v, like):
+    """Element ``v`` (float32, or float16/bfloat16 bits) as ``like``'s element type: raw when the types match."""
+    raise NotImplementedError
+
+
+@overload(_store, inline="always")
+def _store_impl(v, like):
+    if v == like.dtype:
+        return lambda v, like: v
+    return lambda v, like: from_f32(to_f32(v), like)
+
+
+@numba.njit(**_INLINE)
+def _rotate_in_place(row, cos, sin, n_pairs, interleaved):
+    """Rotate the pairs of ``row`` (D,) in place with one token's cos/sin (each pair is read before written)."""
+    if interleaved:
+        for p in range(n_pairs):
+            a = to_f32(row[2 * p])
+            b = to_f32(row[2 * p + 1])
+            row[2 * p] = from_f32(a * cos[p] - b * sin[p], row)
+            row[2 * p + 1] = from_f32(a * sin[p] + b * cos[p], row)
+    else:
+        first = row[:n_pairs]
+        second = row[n_pairs:2 * n_pairs]
+        for p in range(n_pairs):
+            a = to_f32(first[p])
+            b = to_f32(second[p])
+            first[p] = from_f32(a * cos[p] - b * sin[p], row)
+            second[p] = from_f32(a * sin[p] + b * cos[p], row)
+
+
+@numba.njit(**_INLINE)
+def _rotate_into(src, dst, cos, sin, n_pairs, interleaved):
+    """dst = rope(src) for separate rows of any element types: widened, rotated in float32, narrowed once."""
+    if interleaved:
+        for p in range(n_pairs):
+            a = to_f32(src[2 * p])
+            b = to_f32(src[2 * p + 1])
+            dst[2 * p] = from_f32(a * cos[p] - b * sin[p], dst)
+            dst[2 * p + 1] = from_f32(a * sin[p] + b * cos[p], dst)
+    else:
+        src_first = src[:n_pairs]
+        src_second = src[n_pairs:2 * n_pairs]
+        dst_first = dst[:n_pairs]
+        dst_second = dst[n_pairs:2 * n_pairs]
+        for p in range(n_pairs):
+            a = to_f32(src_first[p])
+            b = to_f32(src_second[p])
+            dst_first[p] = from_f32(a * cos[p] - b * sin[p], dst)
+            dst_second[p] = from_f32(a * sin[p] + b * cos[p], dst)
+
+
+@numba.njit(**_INLINE)
+def _copy_tail(src, dst, start):
+    """dst[start:] = src[start:] (converted if the types differ): the dims past the rotated span."""
+    src_tail = src[start:]
+    dst_tail = dst[start:]
+    for j in range(src_tail.shape[0]):
+        dst_tail[j] = _store(src_tail[j], dst)
+
+
+@numba.njit(**_INLINE)
+def _rotate_rest(src, dst, cos, sin, done, n_pairs, interleaved, in_place):
+    """Pairs done .. n_pairs of one row (at most 7: those past the vector code's whole chunks), then, out of place,
+    the dims past the rotated span."""
+    if done < n_pairs:
+        rest = n_pairs - done
+        if interleaved:
+            if in_place:
+                _rotate_in_place(dst[2 * done:2 * n_pairs], cos[done:], sin[done:], rest, True)
+            else:
+                _rotate_into(src[2 * done:2 * n_pairs], dst[2 * done:2 * n_pairs], cos[done:], sin[done:], rest,
+                             True)
+        else:
+            for p in range(rest):  # the two halves of a split row are n_pairs apart: a few scalar pairs
+                a = to_f32(src[done + p])
+                b = to_f32(src[n_pairs + done + p])
+                dst[done + p] = from_f32(a * cos[done + p] - b * sin[done + p], dst)
+                dst[n_pairs + done + p] = from_f32(a * sin[done + p] + b * cos[done + p], dst)
+    if not in_place:
+        _copy_tail(src, dst, 2 * n_pairs)
+
+
+#: Layouts of one token's (H, D) head rows (``token_layout``), a run-time argument of the drivers.
+ROWS_STRIDED = 0  # elements of a row not adjacent: strided loops
+ROWS_UNIT = 1  # rows of adjacent elements, heads apart (e.g. a partial-head view)
+TOKEN_BLOCK = 2  # the H rows adjacent too (contiguous x, Q or K of a fused QKV buffer)
+
+
+def token_layout(a: np.ndarray, b: np.ndarray) -> int:
+    """The layout the (H, D) rows of ``a`` and ``b`` (..., H, D) share, from their last two strides."""
+    item_a, item_b = a.itemsize, b.itemsize
+    if a.strides[-1] != item_a or b.strides[-1] != item_b:
+        return ROWS_STRIDED
+    if a.strides[-2] == a.shape[-1] * item_a and b.strides[-2] == b.shape[-1] * item_b:
+        return TOKEN_BLOCK
+    return ROWS_UNIT
+
+
+@numba.njit(**_INLINE)
+def rope_block(src, dst, cache_row, n_pairs, interleaved, in_place, layout, ahead):
+    """One token's head rows src, dst (H, D) (the same memory in place) with its cache row (cos then sin).
+
+    Rows of adjacent elements (any row stride) take the vector code (``_rope_rotate``) for the whole chunks of 8
+    pairs of every row at once, then the scalar rest; rows with strided elements take strided scalar loops.
+    ``ahead`` != 0: the vector code prefetches each row's D elements that far past it (``_rows_ahead``)."""
+    cos = cache_row[:n_pairs]
+    sin = cache_row[n_pairs:2 * n_pairs]
+    if layout == ROWS_STRIDED:
+        for h in range(src.shape[0]):
+            if in_place:
+                _rotate_in_place(dst[h], cos, sin, n_pairs, interleaved)
+            else:
+                _rotate_into(src[h], dst[h], cos, sin, n_pairs, interleaved)
+                _copy_tail(src[h], dst[h], 2 * n_pairs)
+        return
+    if interleaved:
+        rotate_rows_adjacent(src, dst, cos, sin, ahead)
+    else:
+        rotate_rows_split(src, dst, cos, sin, ahead)
+    done = n_pairs // LANES * LANES
+    if done < n_pairs or (2 * n_pairs < src.shape[1] and not in_place):
+        for h in range(src.shape[0]):
+            _rotate_rest(src[h], dst[h], cos, sin, done, n_pairs, interleaved, in_place)
+
+
+@numba.njit(**_INLINE)
+def token_layout_of(mx, mo, head_dim):
+    """``token_layout`` of two (N, H, D) arrays from their ``meta``."""
+    (_, _, strides_x, item_x), (_, _, strides_o, item_o) = mx, mo
+    if strides_x[2] != item_x or strides_o[2] != item_o:
+        return ROWS_STRIDED
+    if strides_x[1] == head_dim * item_x and strides_o[1] == head_dim * item_o:
+        return TOKEN_BLOCK
+    return ROWS_UNIT

@@ -1,7 +1,7 @@
 """Thread control and the rule for when a kernel runs in parallel.
 
-A ``prange`` launch is cheap back to back (2-6 us) but costs 0.1-0.6 ms when the pool has been idle
-(MEASURED.md), which is more than a whole decode-sized op takes. So every op estimates the bytes it moves and
+A ``prange`` launch is cheap back to back (2-6 us) but costs 0.1-0.6 ms when the pool has been idle,
+which is more than a whole decode-sized op takes. So every op estimates the bytes it moves and
 runs its serial kernel below ``PARALLEL_MIN_BYTES``; above it, its ``prange`` kernel on ``get_num_threads()``
 threads.
 
@@ -64,6 +64,19 @@ def num_threads(n: int) -> Iterator[int]:
         yield n
     finally:
         _override.reset(token)
+
+
+@contextlib.contextmanager
+def parallel_min_bytes(nbytes: int) -> Iterator[int]:
+    """Within the block, ops run in parallel from ``nbytes`` moved (a test hook: the parallel kernels on small
+    shapes). Process-wide: not for use while other threads run ops."""
+    global PARALLEL_MIN_BYTES
+    saved = PARALLEL_MIN_BYTES
+    PARALLEL_MIN_BYTES = _validate.integer("nbytes", nbytes, minimum=0)
+    try:
+        yield PARALLEL_MIN_BYTES
+    finally:
+        PARALLEL_MIN_BYTES = saved
 
 
 def threads_for(nbytes: int) -> int:

@@ -16,9 +16,8 @@ computes the ALiBi slopes, allocates ``out`` when needed, and hands everything t
 ``auto`` follows ggml, except that decode keeps one_chunk while there are enough KV heads to fill the threads
 (see ``choose_path`` and docs/attention.md for why).
 
-Decode calls that run one_chunk without mask, sinks, ALiBi or softcap take ``_dispatch``'s fast path once the
-general path has recorded their K/V dtypes: ``_attention_one_chunk.decode_fast``, checks in the kernel, the
-general path when it declines.
+Decode calls that run one_chunk without mask, sinks, ALiBi or softcap take the route ``attention.decode``
+(``_dispatch``): ``_attention_one_chunk.decode_fast``, checks in the kernel.
 """
 from __future__ import annotations
 
@@ -33,13 +32,13 @@ from ._attention_group import no_sinks
 from ._attention_one_chunk import decode_fast, run_one_chunk, splits_decode
 from ._attention_split_kv import run_split_kv
 from ._attention_tiled import Q_TILE, run_tiled
-from ._dispatch import FastPath, array_type
+from ._dispatch import Route, array_type
 from ._kernel import FLOAT16, FLOAT32, kernel_view
 
 #: Nkv from which ``auto`` takes split_kv for decode (ggml's threshold).
 SPLIT_KV_MIN_NKV = 512
-#: ``auto`` keeps one_chunk for decode when there are at least this many (batch, KV head) units per thread:
-#: measured at 8 KV heads on 2 threads, one_chunk ran 3-21% faster than split_kv in paired runs (docs/attention.md).
+#: ``auto`` keeps one_chunk for decode when there are at least this many (batch, KV head) units per thread: with
+#: 8 KV heads on 2 threads one_chunk ran faster than split_kv side by side (docs/attention.md, "`auto`").
 ONE_CHUNK_MIN_UNITS_PER_THREAD = 4
 _ND = np.ndarray
 _F64 = np.float64  # 1 / np.sqrt(DK): a scale the fast path takes as it is
@@ -101,7 +100,7 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
             and k.__class__ is _ND and v.__class__ is _ND and q.ndim == 4 and k.ndim == 4 and v.ndim == 4
             and q.dtype is FLOAT32 and (out is None or (out.__class__ is _ND and out.ndim == 4
                                                         and out.dtype is FLOAT32 and out.flags.writeable))):
-        entry = _fast_decode.get((k.dtype, v.dtype))  # the decode fast path (see _dispatch)
+        entry = _decode_route.get((k.dtype, v.dtype))  # the route (see _dispatch)
         if entry is not None and q.shape[2] == 1:  # decode only: no wasted out for a prefill call
             Hq = q.shape[1]
             result = np.empty((q.shape[0], 1, Hq, v.shape[3]), FLOAT32) if out is None else out
@@ -116,30 +115,26 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
         name = choose_path(B, Nq, k.shape[1], Nkv, k.dtype, v.dtype, _threads.get_num_threads())
     else:
         name = a.path
-    run = _runner(name)
     if name == "split_kv" and Nq != 1:
         raise ValueError(f"path 'split_kv' is for decode: q must have Nq = 1 query row, got q.shape {q.shape}")
     result = np.empty(a.out_shape, FLOAT32) if out is None else out
     slopes = _slopes(Hq, a.max_bias)
-    run(q, kernel_view(k), kernel_view(v), None if a.mask is None else kernel_view(a.mask), slopes, a.sinks,
-        a.scale, a.logit_softcap, result)
     if (name == "one_chunk" and Nq == 1 and mask is None and sinks is None and a.max_bias == 0.0
-            and a.logit_softcap == 0.0):
-        _add_fast_decode(k, v)
+            and a.logit_softcap == 0.0 and _decode_route.run(
+                (k.dtype, v.dtype), q, k, v, result, slopes, no_sinks(Hq), a.scale, False, SPLIT_KV_MIN_NKV,
+                ONE_CHUNK_MIN_UNITS_PER_THREAD, _threads.PARALLEL_MIN_BYTES, _threads.get_num_threads())):
+        return result
+    _runner(name)(q, kernel_view(k), kernel_view(v), None if a.mask is None else kernel_view(a.mask), slopes,
+                  a.sinks, a.scale, a.logit_softcap, result)
     return result
 
 
-#: entry points of ``_attention_one_chunk.decode_fast``, keyed on (k.dtype, v.dtype)
-_fast_decode = FastPath(decode_fast)
+def _route_types(k_dtype, v_dtype) -> tuple:
+    vector = array_type(FLOAT32, 1)
+    return (array_type(FLOAT32, 4), array_type(k_dtype, 4), array_type(v_dtype, 4), array_type(FLOAT32, 4), vector,
+            vector, types.float64, types.boolean, types.int64, types.int64, types.int64, types.int64)
 
 
-def _add_fast_decode(k: np.ndarray, v: np.ndarray) -> None:
-    """After the general path ran one_chunk for a decode call without mask, sinks, ALiBi or softcap: the fast
-    path's entry point for these K/V dtypes, for next time. Read-only K/V fit it too (only the static typing
-    differs); bfloat16 travels as its int16 view, float16 as uint16."""
-    key = (k.dtype, v.dtype)
-    if _fast_decode.get(key) is None:
-        vector = array_type(FLOAT32, 1)
-        _fast_decode.add(key, (array_type(FLOAT32, 4), array_type(k.dtype, 4), array_type(v.dtype, 4),
-                               array_type(FLOAT32, 4), vector, vector, types.float64, types.boolean, types.int64,
-                               types.int64, types.int64, types.int64))
+#: Decode calls on one_chunk without mask, sinks, ALiBi or softcap, keyed on (k, v) dtypes (read-only K/V fit it
+#: too: only the static typing differs; bfloat16 travels as its int16 view, float16 as uint16).
+_decode_route = Route("attention.decode", decode_fast, _route_types)

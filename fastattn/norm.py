@@ -21,8 +21,8 @@ same row, LLVM's runtime overlap check would send it down its scalar version.
 Threads: below ``PARALLEL_MIN_BYTES`` moved a call runs ``*_serial`` on the calling thread; above, ``*_parallel``
 spreads rows over threads with ``prange`` (rows are independent, so in-place use is safe).
 
-Decode-sized calls (``rms_norm`` and ``rms_norm_mul`` on 2-D ``x`` with a (D,) weight) take the fast path of
-``_dispatch``: ``_norm_fast``'s entry point, with the checks in the kernel, and the general path when it declines.
+Decode-sized calls (``rms_norm`` and ``rms_norm_mul`` on 2-D ``x`` with a (D,) weight) take the route
+``norm.rows`` (``_dispatch``): ``_norm_fast``'s entry point, with the checks in the kernel.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from numba import prange, types
 
 from . import _layout, _threads
 from ._args import norm as _args
-from ._dispatch import FastPath, array_type, meta, overlaps, same_view, unit_rows
+from ._dispatch import Route, array_type, meta, overlaps, same_view, unit_rows
 from ._kernel import assume_contiguous, from_f32, kernel, kernel_view, to_f32
 
 _ND = np.ndarray
@@ -137,10 +137,10 @@ def _add_norm_parallel(x, residual, w, s, out, eps):
 
 @kernel
 def _norm_fast(x, w, out, eps, max_bytes):
-    """The decode fast path (``_dispatch``) of ``rms_norm`` (``w`` None) and ``rms_norm_mul`` (``w`` 1-D): x and
-    out (rows, D). Returns False, having written nothing, unless out has x's shape, w has D elements, eps is
-    finite and >= 0, out is x or overlaps neither x nor w, fewer than ``max_bytes`` move and every operand has
-    aligned unit-stride rows."""
+    """The entry kernel of route ``norm.rows`` (``_dispatch``): ``rms_norm`` (``w`` None) and ``rms_norm_mul``
+    (``w`` 1-D) on x and out (rows, D). Returns False, having written nothing, unless out has x's shape, w has D
+    elements, eps is finite and >= 0, out is x or overlaps neither x nor w, fewer than ``max_bytes`` move and
+    every operand has aligned unit-stride rows."""
     if out.shape != x.shape or not (0.0 <= eps <= _MAX_EPS) or 2 * x.size * x.itemsize >= max_bytes:
         return False
     mx, mo = meta(x), meta(out)
@@ -159,18 +159,21 @@ def _norm_fast(x, w, out, eps, max_bytes):
     return True
 
 
-#: entry points of ``_norm_fast``, keyed on (x.dtype, w.dtype or None, out.dtype)
-_fast = FastPath(_norm_fast)
+def _route_types(x_dtype, w_dtype, out_dtype) -> tuple:
+    w_type = types.none if w_dtype is None else array_type(w_dtype, 1)
+    return array_type(x_dtype, 2), w_type, array_type(out_dtype, 2), types.float64, types.int64
 
 
-def _add_fast(x: np.ndarray, w: np.ndarray | None, out: np.ndarray) -> None:
-    """After the general path accepted a 2-D call that the fast path could take: its entry point for next time."""
-    small = 2 * x.nbytes < _threads.PARALLEL_MIN_BYTES
-    if small and x.ndim == 2 and (w is None or w.ndim == 1) and out.dtype == x.dtype:
-        key = (x.dtype, None if w is None else w.dtype, out.dtype)
-        if _fast.get(key) is None:
-            w_type = types.none if w is None else array_type(w.dtype, 1)
-            _fast.add(key, (array_type(x.dtype, 2), w_type, array_type(out.dtype, 2), types.float64, types.int64))
+#: Decode-sized ``rms_norm`` / ``rms_norm_mul`` on 2-D x with a (D,) weight, keyed on (x, w or None, out) dtypes.
+_rows_route = Route("norm.rows", _norm_fast, _route_types)
+
+
+def _run_route(x: np.ndarray, w: np.ndarray | None, out: np.ndarray, eps: float) -> bool:
+    """The general path's hand-over to ``_rows_route`` of a parsed call it fits (2-D x, a 1-D weight or none)."""
+    if x.ndim != 2 or (w is not None and w.ndim != 1) or 2 * x.nbytes >= _threads.PARALLEL_MIN_BYTES:
+        return False
+    key = (x.dtype, None if w is None else w.dtype, out.dtype)
+    return _rows_route.run(key, x, w, out, eps, _threads.PARALLEL_MIN_BYTES)
 
 
 def _blocks(full: list[np.ndarray], w: np.ndarray | None) -> list[_layout.Block]:
@@ -186,9 +189,9 @@ def rms_norm(x: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.nda
     x: (..., D) float32, float16 or bfloat16, any strides. out: like ``x`` (may be ``x`` itself, for in place).
     Returns ``out``, in ``x``'s dtype.
     """
-    if x.__class__ is _ND and eps.__class__ is float and x.ndim == 2:  # the fast path (see _dispatch)
+    if x.__class__ is _ND and eps.__class__ is float and x.ndim == 2:  # the route (see _dispatch)
         if out is None or (out.__class__ is _ND and out.ndim == 2 and out.flags.writeable):
-            entry = _fast.get((x.dtype, None, x.dtype if out is None else out.dtype))
+            entry = _rows_route.get((x.dtype, None, x.dtype if out is None else out.dtype))
             if entry is not None:
                 y = np.empty(x.shape, x.dtype) if out is None else out
                 if entry(x, None, y, eps, _threads.PARALLEL_MIN_BYTES):
@@ -196,10 +199,11 @@ def rms_norm(x: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.nda
     x, eps, out = _args.rms_norm(x, eps, out)
     if out is None:
         out = np.empty(x.shape, x.dtype)
+    if _run_route(x, None, out, eps):
+        return out
     run = _norm_serial if _threads.threads_for(2 * x.nbytes) == 1 else _norm_parallel
-    if x.ndim == 2:  # the common case directly: at decode size the generic merge costs a fifth of the call
+    if x.ndim == 2:  # the common case directly: the generic merge costs a fifth of a small call
         run(kernel_view(x), None, kernel_view(out), eps)
-        _add_fast(x, None, out)
         return out
     for (xk, ok), _ in _blocks([x, out], None):
         run(xk, None, ok, eps)
@@ -214,8 +218,8 @@ def rms_norm_mul(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | Non
     ``x``; may not overlap ``w``). Returns ``out``, in ``x``'s dtype.
     """
     if x.__class__ is _ND and w.__class__ is _ND and eps.__class__ is float and x.ndim == 2 and w.ndim == 1:
-        if out is None or (out.__class__ is _ND and out.ndim == 2 and out.flags.writeable):  # the fast path
-            entry = _fast.get((x.dtype, w.dtype, x.dtype if out is None else out.dtype))  # (see _dispatch)
+        if out is None or (out.__class__ is _ND and out.ndim == 2 and out.flags.writeable):  # the route
+            entry = _rows_route.get((x.dtype, w.dtype, x.dtype if out is None else out.dtype))  # (_dispatch)
             if entry is not None:
                 y = np.empty(x.shape, x.dtype) if out is None else out
                 if entry(x, w, y, eps, _threads.PARALLEL_MIN_BYTES):
@@ -223,10 +227,11 @@ def rms_norm_mul(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | Non
     x, w, eps, out = _args.rms_norm_mul(x, w, eps, out)
     if out is None:
         out = np.empty(x.shape, x.dtype)
+    if _run_route(x, w, out, eps):
+        return out
     run = _norm_serial if _threads.threads_for(2 * x.nbytes) == 1 else _norm_parallel
-    if x.ndim == 2 and w.ndim == 1:  # the common case directly: the generic merge costs a fifth of a decode call
+    if x.ndim == 2 and w.ndim == 1:  # the common case directly: the generic merge costs a fifth of a small call
         run(kernel_view(x), kernel_view(w)[None], kernel_view(out), eps)
-        _add_fast(x, w, out)
         return out
     for (xk, ok), (wk,) in _blocks([x, out], w):
         run(xk, wk, ok, eps)

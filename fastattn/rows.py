@@ -15,8 +15,8 @@ duplicate indices the last row wins, as in ggml. The hash is Fibonacci hashing o
 fractional part of ``row * golden ratio`` spreads any arithmetic progression of slots (consecutive, every other
 one, ...) evenly over the workers. Each worker scans all ``n`` indices, which is cheap next to the row copies.
 
-Decode-sized calls (2-D ``dst``, 1-D ``idx``) take the fast path of ``_dispatch``: ``_set_rows_fast``'s entry
-point, with the checks in the kernel, and the general path when it declines (which it does for a bad index too).
+Decode-sized calls (2-D ``dst``, 1-D ``idx``) take the route ``set_rows.rows`` (``_dispatch``): ``_set_rows_fast``'s
+entry point, with the checks in the kernel; it declines a bad index, which the general path then reports.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from numba import prange, types
 
 from . import _layout, _threads
 from ._args import rows as _args
-from ._dispatch import FastPath, aligned, array_type, meta, overlaps, unit_rows
+from ._dispatch import Route, aligned, array_type, meta, overlaps, unit_rows
 from ._kernel import assume_contiguous, from_f32, kernel, kernel_view, to_f32
 
 _ND = np.ndarray
@@ -86,9 +86,9 @@ def _set_rows_parallel(dst, src, idx, n_workers):
 
 @kernel
 def _set_rows_fast(dst, src, idx, max_bytes):
-    """The decode fast path (``_dispatch``): dst (R, D), src (n, D), idx (n,). Returns False, having written
-    nothing, unless the shapes match, fewer than ``max_bytes`` move, dst and src have aligned unit-stride rows,
-    idx is aligned, dst overlaps neither src nor idx and every index is in [0, R)."""
+    """The entry kernel of route ``set_rows.rows`` (``_dispatch``): dst (R, D), src (n, D), idx (n,). Returns
+    False, having written nothing, unless the shapes match, fewer than ``max_bytes`` move, dst and src have
+    aligned unit-stride rows, idx is aligned, dst overlaps neither src nor idx and every index is in [0, R)."""
     n, d = src.shape
     n_rows = dst.shape[0]
     if idx.shape[0] != n or dst.shape[1] != d or n * d * (src.itemsize + dst.itemsize) >= max_bytes:
@@ -104,17 +104,12 @@ def _set_rows_fast(dst, src, idx, max_bytes):
     return True
 
 
-#: entry points of ``_set_rows_fast``, keyed on (dst.dtype, src.dtype, idx.dtype)
-_fast = FastPath(_set_rows_fast)
+def _route_types(dst_dtype, src_dtype, idx_dtype) -> tuple:
+    return array_type(dst_dtype, 2), array_type(src_dtype, 2), array_type(idx_dtype, 1), types.int64
 
 
-def _add_fast(dst: np.ndarray, src: np.ndarray, idx: np.ndarray) -> None:
-    """After the general path accepted a 2-D call that the fast path could take: its entry point for next time."""
-    if dst.ndim == 2 and idx.ndim == 1 and src.size * (src.itemsize + dst.itemsize) < _threads.PARALLEL_MIN_BYTES:
-        key = (dst.dtype, src.dtype, idx.dtype)
-        if _fast.get(key) is None:
-            _fast.add(key, (array_type(dst.dtype, 2), array_type(src.dtype, 2), array_type(idx.dtype, 1),
-                            types.int64))
+#: Decode-sized calls on a 2-D dst and 1-D idx, keyed on (dst, src, idx) dtypes.
+_rows_route = Route("set_rows.rows", _set_rows_fast, _route_types)
 
 
 def set_rows(dst: np.ndarray, src: np.ndarray, idx: np.ndarray) -> np.ndarray:
@@ -127,11 +122,14 @@ def set_rows(dst: np.ndarray, src: np.ndarray, idx: np.ndarray) -> np.ndarray:
     rows changes.
     """
     if (dst.__class__ is _ND and src.__class__ is _ND and idx.__class__ is _ND and dst.ndim == 2 and src.ndim == 2
-            and idx.ndim == 1 and dst.flags.writeable):  # the fast path (see _dispatch)
-        entry = _fast.get((dst.dtype, src.dtype, idx.dtype))
+            and idx.ndim == 1 and dst.flags.writeable):  # the route (see _dispatch)
+        entry = _rows_route.get((dst.dtype, src.dtype, idx.dtype))
         if entry is not None and entry(dst, src, idx, _threads.PARALLEL_MIN_BYTES):
             return dst
     dst, src, idx = _args.set_rows(dst, src, idx)
+    if (dst.ndim == 2 and idx.ndim == 1 and src.size * (src.itemsize + dst.itemsize) < _threads.PARALLEL_MIN_BYTES
+            and _rows_route.run((dst.dtype, src.dtype, idx.dtype), dst, src, idx, _threads.PARALLEL_MIN_BYTES)):
+        return dst
     n_rows = dst.shape[-2]
     n_workers = _threads.threads_for(src.size * (src.itemsize + dst.itemsize))
     dk, sk = kernel_view(dst), kernel_view(src)
@@ -150,5 +148,4 @@ def set_rows(dst: np.ndarray, src: np.ndarray, idx: np.ndarray) -> np.ndarray:
             bad = _set_rows_parallel(dk, sk, ik, n_workers)
         if bad >= 0:
             raise _args.index_error(idx, n_rows, tuple(int(i) for i in np.unravel_index(bad, idx.shape)))
-    _add_fast(dst, src, idx)
     return dst

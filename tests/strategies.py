@@ -17,6 +17,8 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+from fastattn._modes import RopeMode
+from fastattn._rope_cache import RECURRENCE_MAX_POS
 from fastattn._validate import BFLOAT16, FLOAT16, FLOAT32, STORAGE_FLOATS
 
 settings.register_profile(
@@ -151,3 +153,61 @@ def attention_masks(draw, B: int, Hq: int, Nq: int, Nkv: int):
         values = -np.abs(rows - cols + (Nkv - Nq)).astype(np.float64) * np.ones(shape)
         values = np.where(-values > draw(st.sampled_from((Nkv, 8))), -np.inf, values)
     return values.astype(draw(f32_or_f16))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RoPE: parameter sets of every mode and positions of every kind.
+ROPE_MODES = (RopeMode.NORMAL, RopeMode.NEOX, RopeMode.MROPE, RopeMode.IMROPE, RopeMode.VISION)
+MULTI_MODES = (RopeMode.MROPE, RopeMode.IMROPE, RopeMode.VISION)
+
+
+@st.composite
+def rope_configs(draw, mode=None):
+    """(kwargs for rope_ext, head dim D, number of position streams)."""
+    mode = draw(st.sampled_from(ROPE_MODES)) if mode is None else mode
+    if mode == RopeMode.VISION:
+        n_dims = 2 * draw(st.integers(1, 16))
+        d = 2 * n_dims
+    else:
+        d = 2 * draw(st.integers(1, 40))
+        n_dims = 2 * draw(st.integers(1, d // 2))
+    n_pairs = n_dims if mode == RopeMode.VISION else n_dims // 2
+    kwargs = dict(n_dims=n_dims, mode=mode)
+    kwargs["freq_base"] = draw(st.sampled_from((10000.0, 500000.0, 1e6, 100.0)))
+    kwargs["backward"] = draw(st.booleans())
+    if draw(st.booleans()):  # YaRN / linear scaling
+        kwargs["freq_scale"] = draw(st.sampled_from((1.0, 0.25, 0.125)) | st.floats(0.01, 1.0))
+        kwargs["ext_factor"] = draw(st.sampled_from((0.0, 1.0)) | st.floats(0.0, 1.0))
+        kwargs["attn_factor"] = draw(st.sampled_from((1.0,)) | st.floats(0.5, 2.0))
+        kwargs["n_ctx_orig"] = draw(st.sampled_from((0, 4096, 8192)) | st.integers(0, 100000))
+        kwargs["beta_fast"] = draw(st.sampled_from((32.0,)) | st.floats(1.0, 64.0))
+        kwargs["beta_slow"] = draw(st.sampled_from((1.0,)) | st.floats(0.1, 4.0))
+    if draw(st.booleans()):
+        kwargs["freq_factors"] = np.array(draw(st.lists(st.floats(0.5, 40.0), min_size=n_pairs,
+                                                          max_size=n_pairs)), draw(st.sampled_from((np.float32,
+                                                                                                    np.float64))))
+    if mode in MULTI_MODES:
+        # sections summing below, to and above n_pairs (the cycle `pair % sum` then wraps)
+        total = draw(st.sampled_from((max(1, n_pairs // 2), n_pairs, n_pairs + 3)))
+        cuts = sorted(draw(st.lists(st.integers(0, total), min_size=3, max_size=3)))
+        sections = [cuts[0], cuts[1] - cuts[0], cuts[2] - cuts[1], total - cuts[2]]
+        if sum(sections[:3]) == 0:
+            sections = [total, 0, 0, 0]
+        if mode == RopeMode.VISION and draw(st.booleans()):
+            sections = [n_pairs // 2, n_pairs - n_pairs // 2, 0, 0]  # Qwen2-VL's vision layout
+        kwargs["sections"] = sections
+    return kwargs, d, 4 if mode in MULTI_MODES else 1
+
+
+def positions(streams: int, n: int, rng: np.random.Generator, kind: str) -> np.ndarray:
+    if kind == "small":
+        pos = rng.integers(-8, 4096, (streams, n))
+    elif kind == "runs":  # consecutive runs (the cache's recurrence) with jumps, in some streams only
+        start = rng.choice([-3, 0, 70_000, 999_990, RECURRENCE_MAX_POS - 3])
+        steps = rng.choice([1, 1, 1, 0, 5], (streams, n))
+        steps[:, 0] = 0
+        pos = start + np.cumsum(steps, axis=1) + rng.integers(0, 2, (streams, 1))
+    else:  # negative and large, up to 1e6
+        pos = rng.integers(-1_000_000, 1_000_001, (streams, n))
+    pos = pos.astype(np.int32)
+    return pos[0] if streams == 1 else pos

@@ -15,84 +15,23 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from rules import assert_within_rule, max_abs_error, ulp_distance
-from strategies import StridedView, has_bf16, strided
+from strategies import StridedView, has_bf16, positions, rope_configs, strided
 
 import fastattn
 import fastattn.reference as ref
 import fastattn.reference.rope as ref_rope
-from fastattn import _threads
+from fastattn import _rope_drivers, _rope_rotate, _threads
 from fastattn._args import rope as rope_args
+from fastattn._rope_cache import CACHE_BLOCK
 from fastattn._validate import BFLOAT16, FLOAT16, FLOAT32
-from fastattn.rope import CACHE_BLOCK, RECURRENCE_MAX_POS
-
-MODES = (fastattn.ROPE_NORMAL, fastattn.ROPE_NEOX, fastattn.ROPE_MROPE, fastattn.ROPE_IMROPE, fastattn.ROPE_VISION)
-MULTI = (fastattn.ROPE_MROPE, fastattn.ROPE_IMROPE, fastattn.ROPE_VISION)
 
 
 @contextlib.contextmanager
 def run_on(threads: int):
     """Run on ``threads`` threads, with the parallel kernels used even for the small test shapes."""
-    saved = _threads.PARALLEL_MIN_BYTES
-    _threads.PARALLEL_MIN_BYTES = 0 if threads > 1 else saved
-    try:
+    with _threads.parallel_min_bytes(0 if threads > 1 else _threads.PARALLEL_MIN_BYTES):
         with fastattn.num_threads(min(threads, _threads.max_threads())):
             yield
-    finally:
-        _threads.PARALLEL_MIN_BYTES = saved
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Strategies.
-@st.composite
-def rope_configs(draw, mode=None):
-    """(kwargs for rope_ext, head dim D, number of position streams)."""
-    mode = draw(st.sampled_from(MODES)) if mode is None else mode
-    if mode == fastattn.ROPE_VISION:
-        n_dims = 2 * draw(st.integers(1, 16))
-        d = 2 * n_dims
-    else:
-        d = 2 * draw(st.integers(1, 40))
-        n_dims = 2 * draw(st.integers(1, d // 2))
-    n_pairs = n_dims if mode == fastattn.ROPE_VISION else n_dims // 2
-    kwargs = dict(n_dims=n_dims, mode=mode)
-    kwargs["freq_base"] = draw(st.sampled_from((10000.0, 500000.0, 1e6, 100.0)))
-    kwargs["backward"] = draw(st.booleans())
-    if draw(st.booleans()):  # YaRN / linear scaling
-        kwargs["freq_scale"] = draw(st.sampled_from((1.0, 0.25, 0.125)) | st.floats(0.01, 1.0))
-        kwargs["ext_factor"] = draw(st.sampled_from((0.0, 1.0)) | st.floats(0.0, 1.0))
-        kwargs["attn_factor"] = draw(st.sampled_from((1.0,)) | st.floats(0.5, 2.0))
-        kwargs["n_ctx_orig"] = draw(st.sampled_from((0, 4096, 8192)) | st.integers(0, 100000))
-        kwargs["beta_fast"] = draw(st.sampled_from((32.0,)) | st.floats(1.0, 64.0))
-        kwargs["beta_slow"] = draw(st.sampled_from((1.0,)) | st.floats(0.1, 4.0))
-    if draw(st.booleans()):
-        kwargs["freq_factors"] = np.array(draw(st.lists(st.floats(0.5, 40.0), min_size=n_pairs,
-                                                          max_size=n_pairs)), draw(st.sampled_from((np.float32,
-                                                                                                    np.float64))))
-    if mode in MULTI:
-        # sections summing below, to and above n_pairs (the cycle `pair % sum` then wraps)
-        total = draw(st.sampled_from((max(1, n_pairs // 2), n_pairs, n_pairs + 3)))
-        cuts = sorted(draw(st.lists(st.integers(0, total), min_size=3, max_size=3)))
-        sections = [cuts[0], cuts[1] - cuts[0], cuts[2] - cuts[1], total - cuts[2]]
-        if sum(sections[:3]) == 0:
-            sections = [total, 0, 0, 0]
-        if mode == fastattn.ROPE_VISION and draw(st.booleans()):
-            sections = [n_pairs // 2, n_pairs - n_pairs // 2, 0, 0]  # Qwen2-VL's vision layout
-        kwargs["sections"] = sections
-    return kwargs, d, 4 if mode in MULTI else 1
-
-
-def positions(streams: int, n: int, rng: np.random.Generator, kind: str) -> np.ndarray:
-    if kind == "small":
-        pos = rng.integers(-8, 4096, (streams, n))
-    elif kind == "runs":  # consecutive runs (the cache's recurrence) with jumps, in some streams only
-        start = rng.choice([-3, 0, 70_000, 999_990, RECURRENCE_MAX_POS - 3])
-        steps = rng.choice([1, 1, 1, 0, 5], (streams, n))
-        steps[:, 0] = 0
-        pos = start + np.cumsum(steps, axis=1) + rng.integers(0, 2, (streams, 1))
-    else:  # negative and large, up to 1e6
-        pos = rng.integers(-1_000_000, 1_000_001, (streams, n))
-    pos = pos.astype(np.int32)
-    return pos[0] if streams == 1 else pos
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -297,7 +236,7 @@ def test_in_place_on_fused_qkv_leaves_k_v_and_surroundings_alone(dtype, threads)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_large_in_place_fused_qkv_matches_a_contiguous_copy_bytes(threads):
     """Prefill-sized in place on Q of a fused QKV buffer: the drivers prefetch two tokens ahead row by row
-    (``rope._rows_ahead``); a hint, so the bytes are the contiguous rotation's and K, V stay as they were."""
+    (``_rope_drivers._rows_ahead``); a hint, so the bytes are the contiguous rotation's and K, V stay as they were."""
     n, h, h_kv, d = 300, 8, 2, 64
     qkv = np.random.default_rng(5).standard_normal((n, (h + 2 * h_kv) * d)).astype(np.float32)
     snapshot = qkv.copy()
@@ -315,8 +254,8 @@ def test_large_in_place_fused_qkv_matches_a_contiguous_copy_bytes(threads):
 
 
 def test_rows_ahead_prefetches_only_tokens_that_lie_apart():
-    rows_ahead = fastattn.rope._rows_ahead
-    block, unit = fastattn.rope.TOKEN_BLOCK, fastattn.rope.ROWS_UNIT
+    rows_ahead = _rope_drivers._rows_ahead
+    block, unit = _rope_rotate.TOKEN_BLOCK, _rope_rotate.ROWS_UNIT
     qkv = np.zeros((5, 12 * 16), np.float32)
     q = qkv[:, :8 * 16].reshape(5, 8, 16)
     assert rows_ahead(q, 0, block) == 2 * 12 * 16  # the same row, two tokens on
@@ -450,7 +389,7 @@ def test_float64_angles_are_more_accurate_than_ggmls_float32_recurrence():
         assert ours < 1e-6, ours  # a few float32 roundings of |x| <= 1, whatever the position
         assert ggml > 20 * ours, (lo, hi, ggml, ours)
         if lo == 0:
-            assert ggml > 1e-5  # MEASURED.md: ~5e-4 below 5000 in ggml itself
+            assert ggml > 1e-5  # ggml itself is ~5e-4 off below position 5000
 
 
 @pytest.mark.parametrize("streams", [1, 4])
@@ -528,7 +467,7 @@ def test_one_and_two_threads_agree_on_a_prefill_sized_call(threads):
 @pytest.mark.parametrize("dtype", [FLOAT32, FLOAT16])
 def test_whole_row_lane_of_the_parallel_drivers_gives_the_serial_bytes(mode, dtype):
     """One batch, out of place, whole rows: the parallel drivers (rope_ext's fused pass and apply_rope_cache's)
-    hand each token straight to the vector code (``rope._rotate_whole_rows``); the bytes are the serial path's."""
+    hand each token straight to the vector code (``_rope_drivers._rotate_whole_rows``); the bytes are the serial path's."""
     if _threads.max_threads() < 2:
         pytest.skip("needs 2 threads")
     rng = np.random.default_rng(11)
@@ -720,7 +659,7 @@ def test_parallel_rope_set_rows_last_duplicate_wins(idx_kind):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The three row layouts (fastattn.rope.token_layout) run different loops over the same arithmetic: same bytes.
+# The three row layouts (_rope_rotate.token_layout) run different loops over the same arithmetic: same bytes.
 def _layout_views(rng, shape, dtype):
     """The same values as a contiguous array, unit-stride rows with gaps between heads, and strided rows."""
     n, h, d = shape
@@ -729,7 +668,7 @@ def _layout_views(rng, shape, dtype):
     stepped = np.zeros((n, h, 2 * d), dtype)[:, :, ::2]
     gapped[...] = values
     stepped[...] = values
-    return {fastattn.rope.TOKEN_BLOCK: values, fastattn.rope.ROWS_UNIT: gapped, fastattn.rope.ROWS_STRIDED: stepped}
+    return {_rope_rotate.TOKEN_BLOCK: values, _rope_rotate.ROWS_UNIT: gapped, _rope_rotate.ROWS_STRIDED: stepped}
 
 
 @pytest.mark.parametrize("mode,dtype,threads", [(fastattn.ROPE_NEOX, FLOAT32, 2), (fastattn.ROPE_NORMAL, FLOAT16, 1)])
@@ -745,7 +684,7 @@ def test_every_row_layout_gives_the_same_bytes(mode, dtype, threads):
     with fastattn.num_threads(threads):
         for layout, x in views.items():
             out = outs[layout]
-            assert fastattn.rope.token_layout(x, out) == layout
+            assert _rope_rotate.token_layout(x, out) == layout
             fastattn.rope_ext(x, pos, **kwargs, out=out)
             in_place = in_places[layout]
             fastattn.rope_ext(in_place, pos, **kwargs, out=in_place)
@@ -753,442 +692,12 @@ def test_every_row_layout_gives_the_same_bytes(mode, dtype, threads):
             cache = np.zeros((shape[0] + 4, shape[1], shape[2]), np.float16)
             fastattn.rope_set_rows(cache, x, pos, np.arange(shape[0]) + 2, **kwargs)
             results[layout] += (cache.copy(),)
-    want = results[fastattn.rope.TOKEN_BLOCK]
-    x = views[fastattn.rope.TOKEN_BLOCK]
+    want = results[_rope_rotate.TOKEN_BLOCK]
+    x = views[_rope_rotate.TOKEN_BLOCK]
     assert_rope_close(want[0], ref.rope_ext(x, pos, **kwargs, out=np.empty(shape)), x, pos, kwargs, what="block")
     for layout, got in results.items():
         for a, b in zip(want, got):
             assert a.tobytes() == b.tobytes(), layout
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The decode fast paths (fastattn/_dispatch.py) of apply_rope_cache (3-D x) and apply_rope_cache_set_rows (2-D dst):
-# taken once the general path has recorded their dtypes; everything else, and every bad input, goes on to the
-# general path, which must then behave as if it ran alone.
-_rope_module = fastattn.rope
-
-
-def _general_only(mp):
-    """From now on every call misses the fast paths."""
-    mp.setattr(_rope_module._fast, "get", lambda key: None)
-    mp.setattr(_rope_module._fast_set_rows, "get", lambda key: None)
-    mp.setattr(_rope_module._fast_prefill, "get", lambda key: None)
-    mp.setattr(_rope_module._fast_prefill_set_rows, "get", lambda key: None)
-    mp.setattr(_rope_module._fast_prefill_cached, "get", lambda key: None)
-
-
-def _warm_fast_paths(x_dtype, dst_dtype=FLOAT16, idx_dtype=np.dtype(np.int64)):
-    """One small general-path call per op records the entry points for these dtypes."""
-    x = np.ones((1, 2, 8), x_dtype)
-    cache = fastattn.rope_cache(np.zeros(1, np.int32), n_dims=8, mode=fastattn.ROPE_NEOX)
-    fastattn.apply_rope_cache(x, cache)
-    fastattn.apply_rope_cache_set_rows(np.zeros((2, 16), dst_dtype), x, cache, np.zeros(1, idx_dtype))
-
-
-@given(data=st.data(), config=rope_configs(), dtype=st.sampled_from((FLOAT32, FLOAT16)), n=st.integers(1, 3),
-       h=st.integers(1, 4), where=st.sampled_from(("new", "view", "in_place")), seed=st.integers(0, 2**16))
-def test_rope_fast_path_gives_the_general_paths_bytes(data, config, dtype, n, h, where, seed):
-    kwargs, d, streams = config
-    _warm_fast_paths(dtype)
-    x = data.draw(strided((n, h, d), dtype))
-    out = data.draw(strided((n, h, d), dtype)) if where == "view" else None
-    cache = fastattn.rope_cache(positions(streams, n, np.random.default_rng(seed), "large"), **kwargs)
-    fast_x, general_x = x.array, x.array.copy()
-    fast_out = {"new": None, "view": None if out is None else out.array, "in_place": fast_x}[where]
-    general_out = {"new": None, "view": None if out is None else out.array.copy(), "in_place": general_x}[where]
-    with pytest.MonkeyPatch.context() as mp:
-        _general_only(mp)
-        expected = fastattn.apply_rope_cache(general_x, cache, out=general_out)
-    got = fastattn.apply_rope_cache(fast_x, cache, out=fast_out)
-    assert got.dtype == dtype and got.shape == (n, h, d)
-    if fast_out is not None:
-        assert got is fast_out
-    assert got.tobytes() == expected.tobytes()
-    for view in [x] + ([out] if out is not None else []):
-        view.assert_outside_unchanged()
-    if where != "in_place":
-        x.assert_all_unchanged()
-
-
-#: (x, cache, idx) dtypes: a few combinations, each a compilation of both paths' kernels (seconds apiece)
-_SET_ROWS_DTYPES = [(FLOAT32, FLOAT16, np.int64), (FLOAT16, FLOAT32, np.int32)] + (
-    [(FLOAT32, BFLOAT16, np.int64)] if has_bf16() else [])
-
-
-@given(data=st.data(), config=rope_configs(), dtypes=st.sampled_from(_SET_ROWS_DTYPES), n=st.integers(1, 4),
-       seed=st.integers(0, 2**16))
-def test_rope_set_rows_fast_path_gives_the_general_paths_bytes(data, config, dtypes, n, seed):
-    """Including duplicate slots (the last token wins) and strided K views."""
-    kwargs, d, streams = config
-    x_dtype, dst_dtype, idx_dtype = dtypes
-    _warm_fast_paths(x_dtype, dst_dtype, np.dtype(idx_dtype))
-    rng = np.random.default_rng(seed)
-    x = data.draw(strided((n, 2, d), x_dtype))
-    idx = rng.integers(0, 5, n).astype(idx_dtype)
-    cache = fastattn.rope_cache(positions(streams, n, rng, "large"), **kwargs)
-    original = rng.standard_normal((5, 2 * d)).astype(dst_dtype)
-    fast_dst, general_dst = original.copy(), original.copy()
-    with pytest.MonkeyPatch.context() as mp:
-        _general_only(mp)
-        fastattn.apply_rope_cache_set_rows(general_dst, x.array, cache, idx)
-    assert fastattn.apply_rope_cache_set_rows(fast_dst, x.array, cache, idx) is fast_dst
-    assert fast_dst.tobytes() == general_dst.tobytes()
-    x.assert_all_unchanged()
-
-
-@pytest.mark.parametrize("dtype", [FLOAT32, FLOAT16], ids=str)
-def test_decode_rope_calls_take_the_fast_paths(monkeypatch, dtype):
-    """Once recorded, a decode step's calls (Q in place, Q into a new array, K into a 2-D cache) never reach the
-    general path, and give its bytes."""
-    rng = np.random.default_rng(21)
-    _warm_fast_paths(dtype)
-    q = rng.standard_normal((1, 8, 64)).astype(dtype)
-    k = rng.standard_normal((1, 2, 64)).astype(dtype)
-    cache = fastattn.rope_cache(np.array([4097], np.int32), n_dims=64, mode=fastattn.ROPE_NEOX, freq_base=5e5)
-    idx = np.array([3], np.int64)
-
-    def step():
-        q_in_place = q.copy()
-        kv = np.zeros((6, 128), FLOAT16)
-        return [fastattn.apply_rope_cache(q_in_place, cache, out=q_in_place).tobytes(),
-                fastattn.apply_rope_cache(q, cache).tobytes(),
-                fastattn.apply_rope_cache_set_rows(kv, k, cache, idx).tobytes()]
-
-    with pytest.MonkeyPatch.context() as mp:
-        _general_only(mp)
-        expected = step()
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the general path ran")
-    monkeypatch.setattr(_rope_module._args, "parse_x", refuse)
-    monkeypatch.setattr(_rope_module._args, "parse_set_rows", refuse)
-    assert step() == expected
-
-
-def test_bad_inputs_after_the_fast_paths_are_recorded():
-    """The fast paths decline every bad call before writing, and the general path raises its usual message."""
-    for dtype in (FLOAT32, FLOAT16):
-        _warm_fast_paths(dtype)
-    test_partial_alias_and_bad_cache_are_rejected()
-    test_rope_set_rows_rejects_bad_indices_before_writing(fastattn)
-    x = np.ones((1, 2, 16), np.float32)
-    vision = fastattn.rope_cache(np.zeros((4, 1), np.int32), n_dims=4, mode=fastattn.ROPE_VISION,
-                                 sections=[1, 1, 0, 0])
-    with pytest.raises(ValueError, match="ROPE_VISION"):  # VISION needs D == 2·n_dims exactly
-        fastattn.apply_rope_cache(x, vision, out=x)
-    assert (x == 1).all()
-    kv = np.zeros((4, 32), np.float32)
-    with pytest.raises(ValueError, match="overlap"):
-        fastattn.apply_rope_cache_set_rows(kv, kv[:1].reshape(1, 2, 16), fastattn.rope_cache(
-            np.zeros(1, np.int32), n_dims=16, mode=fastattn.ROPE_NEOX), np.array([2]))
-    assert not kv.any()
-    unaligned = np.zeros(4 * 32 + 2, np.uint8)[2:].view(np.float32).reshape(1, 2, 16)
-    unaligned[...] = 1.0
-    neox = fastattn.rope_cache(np.array([5], np.int32), n_dims=16, mode=fastattn.ROPE_NEOX)
-    assert fastattn.apply_rope_cache(unaligned, neox).tobytes() == fastattn.apply_rope_cache(
-        np.ones((1, 2, 16), np.float32), neox).tobytes()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# rope_ext's prefill fast path (fastattn.rope._rope_ext_prefill): 3-D x, 1-D int32 positions, no freq_factors or
-# sections, at least two cache blocks of tokens; taken once the general path has accepted the same scalar
-# arguments. It must give the general path's bytes on every layout and thread count, and decline every bad call.
-@contextlib.contextmanager
-def _prefill_sized_on(threads: int):
-    """The fast path and the general path's one-pass driver for the small test shapes, on ``threads``."""
-    saved = _threads.PARALLEL_MIN_BYTES
-    _threads.PARALLEL_MIN_BYTES = 0
-    try:
-        with fastattn.num_threads(min(threads, _threads.max_threads())):
-            yield
-    finally:
-        _threads.PARALLEL_MIN_BYTES = saved
-
-
-@given(data=st.data(), mode=st.sampled_from((fastattn.ROPE_NORMAL, fastattn.ROPE_NEOX)),
-       dtype=st.sampled_from((FLOAT32, FLOAT16)), n=st.integers(2 * CACHE_BLOCK, 3 * CACHE_BLOCK + 5),
-       h=st.integers(1, 3), where=st.sampled_from(("new", "out", "strided out", "in place")),
-       pos_kind=st.sampled_from(("small", "large", "runs")), threads=st.sampled_from((1, 2)))
-def test_rope_ext_prefill_fast_path_gives_the_general_paths_bytes(data, mode, dtype, n, h, where, pos_kind,
-                                                                   threads):
-    kwargs, d, _ = data.draw(rope_configs(mode=mode))
-    x = data.draw(strided((n, h, d), dtype))
-    pos = positions(1, n, np.random.default_rng(n * 7 + d), pos_kind)
-    out = data.draw(strided((n, h, d), dtype, contiguous_ok=where == "out")) if "out" in where else None
-    _fast_against_general("_fast_prefill", lambda a, o: fastattn.rope_ext(a, pos, **kwargs, out=o), x, out, where,
-                          threads)
-
-
-def _fast_against_general(fast_path: str, call, x: StridedView, out: StridedView | None, where: str,
-                          threads: int) -> None:
-    """``call(x, out)`` on the general path (the fast path ``fast_path`` of the rope module missed, which records
-    the call), then on copies through the fast path (the general path refused): same bytes, the fast call's
-    out returned (or a new array like x), nothing written outside it."""
-    fast_x, general_x = x.array, x.array.copy()
-    fast_out = {"new": None, "in place": fast_x}.get(where, None if out is None else out.array)
-    general_out = {"new": None, "in place": general_x}.get(where, None if out is None else out.array.copy())
-    with _prefill_sized_on(threads):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(getattr(_rope_module, fast_path), "get", lambda key: None)
-            expected = call(general_x, general_out)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(_rope_module._args, "parse_x", _refuse)
-            got = call(fast_x, fast_out)
-    if fast_out is not None:
-        assert got is fast_out
-    assert got.dtype == fast_x.dtype and got.shape == fast_x.shape
-    assert got.tobytes() == expected.tobytes()
-    for view in [x] + ([out] if out is not None else []):
-        view.assert_outside_unchanged()
-    if where != "in place":
-        x.assert_all_unchanged()
-
-
-def _refuse(*args, **kwargs):
-    raise AssertionError("the general path ran")
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_rope_ext_prefill_fast_path_declines_bad_calls(threads):
-    """Recorded parameters and dtypes do not let a bad call through: each raises the general path's message
-    and writes nothing."""
-    n = 2 * CACHE_BLOCK
-    kwargs = dict(n_dims=16, mode=fastattn.ROPE_NEOX, freq_base=500000.0)
-    pos = np.arange(n, dtype=np.int32)
-    buf = np.ones((n, 2, 32), np.float32)
-    with _prefill_sized_on(threads):
-        fastattn.rope_ext(buf.copy(), pos, **kwargs)  # records the plan and the entry point
-        fastattn.rope_ext(buf[..., :16].copy(), pos, **kwargs)
-        read_only = buf.copy()
-        read_only.flags.writeable = False
-        bad_calls = [
-            (buf, dict(out=np.ones((n, 2, 16), np.float32)), ValueError, "out must have shape"),
-            (buf[..., :16], dict(out=buf[..., 8:24]), ValueError, "out overlaps x"),
-            (buf[..., :8], dict(out=np.empty((n, 2, 8), np.float32)), ValueError, "n_dims must be <="),
-            (buf, dict(pos=pos[:-1]), ValueError, "pos must have one position per token"),
-            (read_only, dict(out=read_only), ValueError, "must be writeable"),
-            (buf, dict(n_dims=16.0), TypeError, "n_dims must be an integer"),
-            (buf, dict(backward=1), TypeError, "backward must be a bool"),
-            (buf, dict(freq_base=True), TypeError, "freq_base must be a real number"),
-            (buf.astype(np.float64), {}, TypeError, "x must have dtype"),
-            (buf, dict(freq_factors=np.zeros(8, np.float32)), ValueError, "freq_factors must be finite"),
-            (buf, dict(freq_factors=np.ones(7)), ValueError, "freq_factors must have one entry per rotated pair"),
-        ]
-        for x, changes, error, message in bad_calls:
-            call = {**kwargs, "pos": pos, "out": x, **changes}
-            before = buf.copy()
-            with pytest.raises(error, match=message):
-                fastattn.rope_ext(x, call.pop("pos"), **call)
-            assert np.array_equal(buf, before), message
-        # freq_factors are part of the plan's key: other values, recorded or not, are never given another's plan
-        x = np.random.default_rng(2).standard_normal((n, 2, 32)).astype(np.float32)
-        for factors in ([1.0] * 8, [1.0] * 7 + [8.0], [1.0] * 7 + [8.0], [1.0] * 8):
-            with pytest.MonkeyPatch.context() as mp:
-                _general_only(mp)
-                expected = fastattn.rope_ext(x, pos, **kwargs, freq_factors=np.array(factors))
-            got = fastattn.rope_ext(x, pos, **kwargs, freq_factors=np.array(factors))
-            assert got.tobytes() == expected.tobytes(), factors
-        assert got.tobytes() == fastattn.rope_ext(x, pos, **kwargs).tobytes()  # factors of 1 change nothing
-
-
-# rope_set_rows' prefill fast path (fastattn.rope._rope_set_rows_prefill): the same calls, into a C-contiguous
-# cache at strictly increasing row indices; anything else (duplicates, a strided cache) is the general path's.
-#: (x, cache, idx dtypes, cache axes): each a compilation of both paths' drivers (tens of seconds)
-_PREFILL_SET_ROWS = [(FLOAT32, FLOAT16, np.int64, 2), (FLOAT16, FLOAT32, np.int32, 3)]
-
-
-@given(data=st.data(), mode=st.sampled_from((fastattn.ROPE_NORMAL, fastattn.ROPE_NEOX)),
-       case=st.sampled_from(_PREFILL_SET_ROWS), n=st.integers(2 * CACHE_BLOCK, 3 * CACHE_BLOCK + 5),
-       h=st.integers(1, 3), gaps=st.booleans(), pos_kind=st.sampled_from(("small", "large", "runs")),
-       threads=st.sampled_from((1, 2)))
-def test_rope_set_rows_prefill_fast_path_gives_the_general_paths_bytes(data, mode, case, n, h, gaps, pos_kind,
-                                                                       threads):
-    kwargs, d, _ = data.draw(rope_configs(mode=mode))
-    x_dtype, dst_dtype, idx_dtype, cache_axes = case
-    x = data.draw(strided((n, h, d), x_dtype))
-    rng = np.random.default_rng(n * 7 + d)
-    pos = positions(1, n, rng, pos_kind)
-    idx = (np.cumsum(rng.integers(1, 3, n) if gaps else np.ones(n, np.int64)) + rng.integers(-1, 5)).astype(
-        idx_dtype)  # strictly increasing, from row 0 up
-    rows = int(idx[-1]) + 1 + int(rng.integers(0, 3))
-    original = rng.standard_normal((rows, h * d) if cache_axes == 2 else (rows, h, d)).astype(dst_dtype)
-    fast_dst, general_dst = original.copy(), original.copy()
-    with _prefill_sized_on(threads):
-        with pytest.MonkeyPatch.context() as mp:  # the general path, which records the call for the fast one
-            mp.setattr(_rope_module._fast_prefill_set_rows, "get", lambda key: None)
-            fastattn.rope_set_rows(general_dst, x.array, pos, idx, **kwargs)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(_rope_module._args, "parse_set_rows", _refuse)  # the general path must not run again
-            assert fastattn.rope_set_rows(fast_dst, x.array, pos, idx, **kwargs) is fast_dst
-    assert fast_dst.tobytes() == general_dst.tobytes()  # the rows written, and every other row untouched
-    x.assert_all_unchanged()
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_rope_set_rows_prefill_fast_path_declines_other_and_bad_calls(threads):
-    """After recording: calls it declines (duplicate or unordered indices, a strided or unaligned cache) give
-    the general path's bytes; bad calls raise the general path's message and write nothing."""
-    n = 2 * CACHE_BLOCK
-    kwargs = dict(n_dims=16, mode=fastattn.ROPE_NEOX, freq_base=500000.0)
-    rng = np.random.default_rng(5)
-    pos = np.arange(n, dtype=np.int32) + 7
-    k = rng.standard_normal((n, 2, 32)).astype(np.float32)
-    idx = np.arange(n, dtype=np.int64) + 2
-    duplicates = idx.copy()
-    duplicates[[5, 90]] = duplicates[[4, 3]]
-    strided_cache = np.zeros((n + 4, 128), np.float16)[:, 32:96]
-    unaligned_cache = np.zeros((n + 4) * 128 + 1, np.uint8)[1:].view(np.float16).reshape(n + 4, 64)
-    declined = [(np.zeros((n + 4, 64), np.float16), duplicates), (np.zeros((n + 4, 64), np.float16), idx[::-1]),
-                (strided_cache, idx), (unaligned_cache, idx)]
-    with _prefill_sized_on(threads):
-        fastattn.rope_set_rows(np.zeros((n + 4, 64), np.float16), k, pos, idx, **kwargs)  # records the fast path
-        for dst, rows in declined:
-            with pytest.MonkeyPatch.context() as mp:
-                _general_only(mp)
-                expected = fastattn.rope_set_rows(dst.copy(), k, pos, rows, **kwargs)
-            assert fastattn.rope_set_rows(dst, k, pos, rows, **kwargs).tobytes() == expected.tobytes()
-
-        cache = np.zeros((n + 4, 64), np.float16)
-        cache32 = np.zeros((n + 4, 64), np.float32)
-        read_only = np.zeros((n + 4, 64), np.float16)
-        read_only.flags.writeable = False
-        bad_calls = [
-            (dict(idx=idx + 3), ValueError, "idx values must be in"),
-            (dict(idx=idx - 3), ValueError, "idx values must be in"),
-            (dict(idx=idx[:-1]), ValueError, "idx must have one row index per token"),
-            (dict(pos=pos[:-1]), ValueError, "pos must have one position per token"),
-            (dict(dst=np.zeros((n + 4, 48), np.float16)), ValueError, "dst must have shape"),
-            (dict(dst=cache32, x=cache32[:n].reshape(n, 2, 32)), ValueError, "dst overlaps x"),
-            (dict(dst=read_only), ValueError, "dst must be writeable"),
-            (dict(x=k[..., :8], dst=np.zeros((n + 4, 16), np.float16)), ValueError, "n_dims must be <="),
-            (dict(n_dims=16.0), TypeError, "n_dims must be an integer"),
-            (dict(backward=1), TypeError, "backward must be a bool"),
-            (dict(x=k.astype(np.float64)), TypeError, "x must have dtype"),
-            (dict(idx=idx.astype(np.float64)), TypeError, "idx must have dtype"),
-        ]
-        for changes, error, message in bad_calls:
-            call = {**kwargs, "dst": cache, "x": k, "pos": pos, "idx": idx, **changes}
-            before = call["dst"].copy()
-            with pytest.raises(error, match=message):
-                fastattn.rope_set_rows(call.pop("dst"), call.pop("x"), call.pop("pos"), call.pop("idx"), **call)
-            assert np.array_equal(changes.get("dst", cache), before), message
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_first_prefill_call_of_a_plan_takes_the_fast_path(threads):
-    """Once an entry point of x's dtypes exists, the first call of new scalar arguments, validated by the general
-    path, runs on the entry point (the general driver would be another cold compilation of ``_drive_fused``,
-    about 20 s), with the general path's bytes."""
-    n = 2 * CACHE_BLOCK
-    rng = np.random.default_rng(11)
-    x = rng.standard_normal((n, 2, 32)).astype(np.float32)
-    pos = (np.arange(n) * 3 - 40).astype(np.int32)
-    idx = np.arange(n, dtype=np.int64) + 1
-    with _prefill_sized_on(threads):
-        fastattn.rope_ext(x, pos, n_dims=32, mode=fastattn.ROPE_NEOX)  # records both entry points
-        fastattn.rope_set_rows(np.zeros((n + 2, 64), np.float16), x, pos, idx, n_dims=32, mode=fastattn.ROPE_NEOX)
-        for mode in (fastattn.ROPE_NORMAL, fastattn.ROPE_NEOX):
-            kwargs = dict(n_dims=16, mode=mode, freq_base=float(rng.uniform(1e3, 1e6)), freq_scale=0.5)
-            with pytest.MonkeyPatch.context() as mp:
-                _general_only(mp)
-                expected = fastattn.rope_ext(x, pos, **kwargs)
-                expected_rows = fastattn.rope_set_rows(np.zeros((n + 2, 64), np.float16), x, pos, idx, **kwargs)
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(_rope_module, "_prefill_plans", {})  # no plan recorded, as on a first call
-                for general_driver in ("_drive_fused", "apply_rope_cache", "_set_rows"):
-                    mp.setattr(_rope_module, general_driver, _refuse)
-                got = fastattn.rope_ext(x, pos, **kwargs)
-                got_rows = fastattn.rope_set_rows(np.zeros((n + 2, 64), np.float16), x, pos, idx, **kwargs)
-            assert got.tobytes() == expected.tobytes()
-            assert got_rows.tobytes() == expected_rows.tobytes()
-
-
-def _forget_entry_points(mp, *fast_paths):
-    """As in a new process: no entry point recorded (the compiled code stays, so recording one is cheap)."""
-    for fast in fast_paths:
-        entries: dict = {}
-        mp.setattr(fast, "entries", entries)
-        mp.setattr(fast, "get", entries.get)
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_first_call_of_a_dtype_takes_the_cached_fast_paths(threads):
-    """apply_rope_cache (decode-sized, in place and into a new array, and prefill-sized) and
-    apply_rope_cache_set_rows: the first call for x's dtypes, validated by the general path, runs on the entry
-    point it records (the general drivers would be more cold compilations), with the general path's bytes."""
-    rng = np.random.default_rng(12)
-    small = rng.standard_normal((3, 2, 32)).astype(np.float32)
-    small_cache = fastattn.rope_cache(np.array([5, -3, 900], np.int32), n_dims=16, mode=fastattn.ROPE_NEOX)
-    large = rng.standard_normal((2 * CACHE_BLOCK, 2, 32)).astype(np.float32)
-    large_cache = fastattn.rope_cache(np.arange(2 * CACHE_BLOCK, dtype=np.int32) * 7, n_dims=32,
-                                      mode=fastattn.ROPE_NORMAL)
-    idx = np.array([4, 0, 2])
-    rows = rng.standard_normal((6, 64)).astype(np.float16)
-
-    def calls():
-        in_place = small.copy()
-        fastattn.apply_rope_cache(in_place, small_cache, out=in_place)
-        dst = rows.copy()
-        fastattn.apply_rope_cache_set_rows(dst, small, small_cache, idx)
-        with _prefill_sized_on(threads):
-            prefill = fastattn.apply_rope_cache(large, large_cache)
-        return [in_place, fastattn.apply_rope_cache(small, small_cache), dst, prefill]
-
-    calls()  # compiles every entry point
-    with pytest.MonkeyPatch.context() as mp:
-        _general_only(mp)
-        expected = calls()
-    fast_paths = (_rope_module._fast, _rope_module._fast_set_rows, _rope_module._fast_prefill_cached)
-    with pytest.MonkeyPatch.context() as mp:
-        _forget_entry_points(mp, *fast_paths)
-        for general_driver in ("_apply", "_set_rows"):
-            mp.setattr(_rope_module, general_driver, _refuse)
-        got = calls()
-    for a, b in zip(got, expected):
-        assert a.tobytes() == b.tobytes()
-
-
-# apply_rope_cache's prefill fast path (fastattn.rope._rope_prefill_cached): 3-D x with a prebuilt cache of any
-# mode, from _threads.PARALLEL_MIN_BYTES moved; taken once the general path has accepted a call of x's dtype.
-@given(data=st.data(), config=rope_configs(), dtype=st.sampled_from((FLOAT32, FLOAT16)), n=st.integers(2, 40),
-       h=st.integers(1, 3), where=st.sampled_from(("new", "out", "strided out", "in place")),
-       threads=st.sampled_from((1, 2)))
-def test_apply_rope_cache_prefill_fast_path_gives_the_general_paths_bytes(data, config, dtype, n, h, where,
-                                                                          threads):
-    kwargs, d, streams = config
-    x = data.draw(strided((n, h, d), dtype))
-    cache = fastattn.rope_cache(positions(streams, n, np.random.default_rng(n * 5 + d), "runs"), **kwargs)
-    out = data.draw(strided((n, h, d), dtype, contiguous_ok=where == "out")) if "out" in where else None
-    _fast_against_general("_fast_prefill_cached", lambda a, o: fastattn.apply_rope_cache(a, cache, out=o), x, out,
-                          where, threads)
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_apply_rope_cache_prefill_fast_path_declines_bad_calls(threads):
-    """After recording, bad calls raise the general path's message and write nothing."""
-    n = 8
-    neox = fastattn.rope_cache(np.arange(n, dtype=np.int32), n_dims=16, mode=fastattn.ROPE_NEOX)
-    vision = fastattn.rope_cache(np.zeros((4, n), np.int32), n_dims=8, mode=fastattn.ROPE_VISION,
-                                 sections=[2, 2, 0, 0])
-    buf = np.ones((n, 2, 32), np.float32)
-    with _prefill_sized_on(threads):
-        fastattn.apply_rope_cache(buf.copy(), neox)  # records the entry point
-        read_only = buf.copy()
-        read_only.flags.writeable = False
-        bad_calls = [
-            (buf, neox, dict(out=np.ones((n, 2, 16), np.float32)), ValueError, "out must have shape"),
-            (buf[..., :16], neox, dict(out=buf[..., 8:24]), ValueError, "out overlaps x"),
-            (buf[..., :8], neox, {}, ValueError, "n_dims must be <="),
-            (buf[:-1], neox, {}, ValueError, "one token per cached position"),
-            (buf, vision, {}, ValueError, "ROPE_VISION"),
-            (read_only, neox, dict(out=read_only), ValueError, "must be writeable"),
-            (buf.astype(np.float64), neox, {}, TypeError, "x must have dtype"),
-        ]
-        for x, cache, changes, error, message in bad_calls:
-            before = buf.copy()
-            with pytest.raises(error, match=message):
-                fastattn.apply_rope_cache(x, cache, **{"out": x, **changes})
-            assert np.array_equal(buf, before), message
 
 
 @pytest.mark.parametrize("lib", [fastattn, ref])

@@ -5,12 +5,13 @@ Everything is checked here, before any output is touched, so both sides reject t
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from .. import _validate
+from .. import _rope_pairs, _validate
 from .._modes import RopeMode
 
 #: Modes whose positions come as four streams (t, h, w, e) and that need ``sections``.
@@ -59,37 +60,75 @@ class RopeParams:
             raise ValueError(f"n_dims must be <= {name}'s last axis (head dim {head_dim}), got {self.n_dims}")
 
 
-#: parse_params' results for argument sets seen before (without freq_factors: arrays are not hashable). A
-#: decode step parses the same parameters for every layer, and parsing costs more than a one-token rotation.
+    @property
+    def interleaved(self) -> bool:
+        """NORMAL pairs adjacent dims (2p, 2p+1); every other mode pairs p with p + n_pairs."""
+        return self.mode == RopeMode.NORMAL
+
+    @functools.cached_property
+    def pairing(self) -> tuple[int, bool, int, bool]:
+        """(n_pairs, interleaved, min_head_dim, exact_head_dim): how a cos/sin table of these parameters applies
+        to a head of D dims (D >= min_head_dim, and == when exact: VISION rotates all 2·n_dims dims)."""
+        vision = self.mode == RopeMode.VISION
+        return self.n_pairs, self.interleaved, 2 * self.n_dims if vision else self.n_dims, vision
+
+    @functools.cached_property
+    def table(self) -> _rope_pairs.PairTable:
+        """The per-pair streams, angle factors and scales (``_rope_pairs``), computed once per parameter set."""
+        return _rope_pairs.pair_table(self.n_dims, self.mode, self.freq_base, self.freq_scale, self.n_ctx_orig,
+                                      self.ext_factor, self.attn_factor, self.beta_fast, self.beta_slow,
+                                      self.freq_factors, self.sections, self.backward)
+
+    @functools.cached_property
+    def plan(self) -> tuple:
+        """The fused RoPE route's arguments that come from the parameters: the table, the pairing and n_dims."""
+        t = self.table
+        return (t.streams, t.w, t.step_cos, t.step_sin, t.cos_scale, t.sin_scale, self.interleaved, self.n_dims)
+
+
+#: Every parameter set parsed so far (at most _PARSED_MAX), by ``_key``: a decode step parses the same
+#: parameters for every layer, and parsing (or making the tables) costs more than a one-token rotation.
 _PARSED: dict = {}
 _PARSED_MAX = 64
 
 
-def _memo_key(values: tuple):
-    """A key that tells apart equal values of different types (``2 == 2.0 == True`` in a dict, but only one of
-    them is a valid ``mode``); None when a value is unhashable."""
-    key = []
-    for v in values:
-        if type(v) is list or type(v) is tuple:
-            v = (type(v),) + tuple((type(e), e) for e in v)
-        key.append((type(v), v))
-    key = tuple(key)
+def _key(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
+         freq_factors, sections, backward):
+    """The arguments with their classes (``2 == 2.0 == True`` in a dict, but only one of them is a valid
+    ``mode``), freq_factors by dtype, shape and values, and the sign of a zero attn_factor (it signs the zeros
+    of the result); None when an argument cannot be a key (the parser names it)."""
     try:
+        if freq_factors is not None:
+            freq_factors = (freq_factors.__class__, freq_factors.dtype, freq_factors.shape, freq_factors.tobytes())
+        if sections is not None:
+            sections = (sections.__class__,) + tuple((e.__class__, e) for e in sections)
+        key = (n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
+               backward, n_dims.__class__, mode.__class__, freq_base.__class__, freq_scale.__class__,
+               n_ctx_orig.__class__, ext_factor.__class__, attn_factor.__class__, beta_fast.__class__,
+               beta_slow.__class__, backward.__class__, freq_factors, sections,
+               attn_factor == 0 and math.copysign(1.0, attn_factor))
         hash(key)
-    except TypeError:
+        return key
+    except Exception:  # anything unhashable or unusual: parsed (and reported) without the memo
         return None
-    return key
+
+
+def known_params(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
+                 freq_factors, sections, backward) -> RopeParams | None:
+    """The parsed parameters of an argument set parsed before, or None (no checks: the guards' lookup)."""
+    key = _key(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
+               freq_factors, sections, backward)
+    return None if key is None else _PARSED.get(key)
 
 
 def parse_params(*, n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast,
                  beta_slow, freq_factors, sections, backward) -> RopeParams:
-    key = None
-    if freq_factors is None:
-        key = _memo_key((n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast,
-                         beta_slow, sections, backward))
-        params = _PARSED.get(key)
-        if params is not None:
-            return params
+    """Validate the scalar parameters (and freq_factors, sections) of one RoPE; remembered by value."""
+    key = _key(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
+               freq_factors, sections, backward)
+    params = None if key is None else _PARSED.get(key)
+    if params is not None:
+        return params
     params = _parse_params(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast,
                            beta_slow, freq_factors, sections, backward)
     if key is not None:

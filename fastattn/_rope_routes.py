@@ -1,0 +1,223 @@
+"""RoPE's two routes (``_dispatch``): the entry kernels that take RoPE calls without Numba's dispatcher.
+
+- ``rope.cached``: a decode-sized call with a prebuilt cos/sin table ``cs`` (``apply_rope_cache`` on 3-D x), run
+  serially on the calling thread.
+- ``rope.fused``: a prefill-sized call at int32 positions of one stream (``rope_ext`` on 3-D x), cos/sin made in
+  the same pass on ``n_threads`` threads (``_rope_drivers.drive_fused``).
+
+Each has a set-rows variant, chosen by whether there is an index (``idx`` None or an int array: the type picks
+the variant when the entry compiles): the rotated rows go to rows ``idx`` of a KV cache ``out`` ((R, H·D) or
+(R, H, D)) instead of ``out``'s own token rows (``apply_rope_cache_set_rows``, ``rope_set_rows``). A route's key
+is ``(x dtype, out dtype, out.ndim, idx dtype or None)``.
+
+Every entry kernel checks what it relies on before it writes anything and returns False to decline (the op's
+general path then runs the call, or raises its error).
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import types
+from numba.extending import overload
+
+from ._dispatch import Route, aligned, array_type, c_contiguous, meta, overlaps, same_view, unit_rows
+from ._kernel import assume_contiguous, use_threads
+from ._rope_cache import CACHE_BLOCK
+from ._rope_drivers import drive_fused
+from ._rope_rotate import _EXACT, _INLINE, ROWS_UNIT, rope_block, token_layout_of
+from ._validate import FLOAT32
+
+_F32_TABLE = array_type(FLOAT32, 2)
+_INT64 = np.dtype(np.int64)
+_FLOAT64 = np.dtype(np.float64)
+
+
+def _out_types(x_dtype, out_dtype, out_ndim, idx_dtype) -> tuple:
+    idx_type = types.none if idx_dtype is None else array_type(idx_dtype, 1)
+    return array_type(x_dtype, 3), array_type(out_dtype, out_ndim), idx_type
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rope.cached
+@numba.njit(**_EXACT)
+def _fits_table(n, d, cs, min_head_dim, exact_head_dim):
+    """n tokens of head dim d fit the table: one cs row per token, d >= min_head_dim (== when exact), and cs
+    has aligned unit-stride rows."""
+    return (n == cs.shape[0] and d >= min_head_dim and not (exact_head_dim and d != min_head_dim)
+            and unit_rows(meta(cs)))
+
+
+def _cache_row(dst, r, n_heads, head_dim):
+    """Row ``r`` of a KV cache (R, H·D) or (R, H, D) as its (H, D) block. Kernel-only."""
+    raise NotImplementedError
+
+
+@overload(_cache_row, inline="always")
+def _cache_row_impl(dst, r, n_heads, head_dim):
+    if dst.ndim == 2:
+        return lambda dst, r, n_heads, head_dim: assume_contiguous(dst[r]).reshape((n_heads, head_dim))
+    return lambda dst, r, n_heads, head_dim: dst[r]
+
+
+@numba.njit(**_INLINE)
+def _rotate_tokens(x, out, cs, n_pairs, interleaved, max_bytes):
+    """``apply_rope_cache``: out (N, H, D) of x's dtype (x itself in place), unless it declines."""
+    n, h, d = x.shape
+    if out.shape != x.shape or 2 * x.size * x.itemsize >= max_bytes:
+        return False
+    mx, mo = meta(x), meta(out)
+    in_place = same_view(mo, mx)
+    if not (unit_rows(mx) and unit_rows(mo)) or (overlaps(mo, mx) and not in_place) or overlaps(mo, meta(cs)):
+        return False
+    for i in range(n):
+        rope_block(x[i], out[i], assume_contiguous(cs[i]), n_pairs, interleaved, in_place, ROWS_UNIT, 0)
+    return True
+
+
+@numba.njit(**_INLINE)
+def _write_tokens(x, dst, idx, cs, n_pairs, interleaved, max_bytes):
+    """``apply_rope_cache_set_rows``: token i into row idx[i] of the cache dst, in order (the last of duplicate
+    indices wins), unless it declines."""
+    n, h, d = x.shape
+    n_rows = dst.shape[0]
+    if idx.shape[0] != n or dst.size != n_rows * h * d or x.size * (x.itemsize + dst.itemsize) >= max_bytes:
+        return False
+    if dst.shape[dst.ndim - 1] != (h * d if dst.ndim == 2 else d):
+        return False
+    md, mx, mi = meta(dst), meta(x), meta(idx)
+    if (not (unit_rows(md) and unit_rows(mx) and aligned(mi)) or overlaps(md, mx) or overlaps(md, mi)
+            or overlaps(md, meta(cs))):
+        return False
+    for i in range(n):
+        if idx[i] < 0 or idx[i] >= n_rows:
+            return False
+    for i in range(n):
+        rope_block(x[i], _cache_row(dst, idx[i], h, d), assume_contiguous(cs[i]), n_pairs, interleaved, False,
+                   ROWS_UNIT, 0)
+    return True
+
+
+def _cached_variant(x, out, idx, cs, n_pairs, interleaved, max_bytes):
+    """``_rotate_tokens`` when idx is None, else ``_write_tokens``. Kernel-only."""
+    raise NotImplementedError
+
+
+@overload(_cached_variant, inline="always")
+def _cached_variant_impl(x, out, idx, cs, n_pairs, interleaved, max_bytes):
+    if isinstance(idx, types.NoneType):
+        return lambda x, out, idx, cs, n_pairs, interleaved, max_bytes: _rotate_tokens(
+            x, out, cs, n_pairs, interleaved, max_bytes)
+    return lambda x, out, idx, cs, n_pairs, interleaved, max_bytes: _write_tokens(
+        x, out, idx, cs, n_pairs, interleaved, max_bytes)
+
+
+@numba.njit(**_EXACT)
+def cached_entry(x, out, idx, cs, pairing, max_bytes):
+    """Rotate x (N, H, D) by the table cs (N, 2·n_pairs) into out (idx None) or into rows idx of the cache out;
+    ``pairing`` = (n_pairs, interleaved, min_head_dim, exact_head_dim) of the table (``RopeCache.pairing``).
+    Returns False, having written nothing, unless x fits the table, the shapes match, fewer than ``max_bytes``
+    move, the arrays have aligned unit-stride rows, out overlaps none of x (unless it is x, in place), idx and
+    cs, and every index is in range."""
+    n_pairs, interleaved, min_head_dim, exact_head_dim = pairing
+    if not _fits_table(x.shape[0], x.shape[2], cs, min_head_dim, exact_head_dim):
+        return False
+    return _cached_variant(x, out, idx, cs, n_pairs, interleaved, max_bytes)
+
+
+#: the types of a table's ``pairing``
+PAIRING_TYPE = types.Tuple((types.int64, types.boolean, types.int64, types.boolean))
+CACHED = Route("rope.cached", cached_entry, lambda x_dtype, out_dtype, out_ndim, idx_dtype: _out_types(
+    x_dtype, out_dtype, out_ndim, idx_dtype) + (_F32_TABLE, PAIRING_TYPE, types.int64))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rope.fused
+@numba.njit(**_EXACT)
+def _increasing_in(idx, n_rows):
+    """idx strictly increasing (no duplicates) and within [0, n_rows)."""
+    n = idx.shape[0]
+    if n == 0 or idx[0] < 0 or idx[n - 1] >= n_rows:
+        return False
+    for i in range(n - 1):
+        if idx[i] >= idx[i + 1]:
+            return False
+    return True
+
+
+@numba.njit(**_INLINE)
+def _fused_tokens(x, out, pos, plan, min_bytes, n_threads):
+    """``rope_ext``: out (N, H, D) of x's dtype (x itself in place), unless it declines."""
+    streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved, n_dims = plan
+    n_tokens, _, head_dim = x.shape
+    if out.shape != x.shape or 2 * x.size * x.itemsize < min_bytes:
+        return False
+    mx, mo, mp = meta(x), meta(out), meta(pos)
+    in_place = same_view(mo, mx)
+    if (overlaps(mo, mx) and not in_place) or overlaps(mo, mp) or not (aligned(mx) and aligned(mo)):
+        return False
+    use_threads(n_threads)
+    drive_fused(x[np.newaxis], out[np.newaxis], None, None, pos[np.newaxis], streams, w, step_cos, step_sin,
+                cos_scale, sin_scale, interleaved, in_place, token_layout_of(mx, mo, head_dim),
+                np.zeros(1, np.int64), n_threads)
+    return True
+
+
+@numba.njit(**_INLINE)
+def _fused_write(x, dst, idx, pos, plan, min_bytes, n_threads):
+    """``rope_set_rows``: token i into row idx[i] of the C-contiguous cache dst, idx strictly increasing (other
+    indices: the general path, which sorts out duplicates), unless it declines."""
+    streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved, n_dims = plan
+    n_tokens, n_heads, head_dim = x.shape
+    n_rows = dst.shape[0]
+    md, mx, mi, mp = meta(dst), meta(x), meta(idx), meta(pos)
+    if (dst.size != n_rows * n_heads * head_dim or dst.shape[dst.ndim - 1] != (head_dim if dst.ndim == 3 else
+                                                                                 n_heads * head_dim)
+            or idx.shape[0] != n_tokens or x.size * (x.itemsize + dst.itemsize) < min_bytes):
+        return False
+    if not (c_contiguous(md) and aligned(mx) and aligned(mi)):
+        return False
+    if overlaps(md, mx) or overlaps(md, mi) or overlaps(md, mp) or not _increasing_in(idx, n_rows):
+        return False
+    use_threads(n_threads)
+    rows = assume_contiguous(dst).reshape((n_rows, n_heads, head_dim))
+    drive_fused(x[np.newaxis], rows, idx, np.ones(n_tokens, np.bool_), pos[np.newaxis], streams, w, step_cos,
+                step_sin, cos_scale, sin_scale, interleaved, False, token_layout_of(mx, meta(rows), head_dim),
+                np.zeros(1, np.int64), n_threads)
+    return True
+
+
+def _fused_variant(x, out, idx, pos, plan, min_bytes, n_threads):
+    """``_fused_tokens`` when idx is None, else ``_fused_write``. Kernel-only."""
+    raise NotImplementedError
+
+
+@overload(_fused_variant, inline="always")
+def _fused_variant_impl(x, out, idx, pos, plan, min_bytes, n_threads):
+    if isinstance(idx, types.NoneType):
+        return lambda x, out, idx, pos, plan, min_bytes, n_threads: _fused_tokens(
+            x, out, pos, plan, min_bytes, n_threads)
+    return lambda x, out, idx, pos, plan, min_bytes, n_threads: _fused_write(
+        x, out, idx, pos, plan, min_bytes, n_threads)
+
+
+@numba.njit(**_EXACT)
+def fused_entry(x, out, idx, pos, plan, min_bytes, n_threads):
+    """RoPE of x (N, H, D) at positions pos (N,) (one stream: NORMAL or NEOX) with cos/sin made in the pass
+    (``plan``: the parameters' tables, ``_args.rope.RopeParams.plan``), into out (idx None) or rows idx of the
+    cache out, on ``n_threads`` threads. Returns
+    False, having written nothing, unless pos has one position per token, n_dims <= D, there are two cache
+    blocks of tokens or more moving at least ``min_bytes``, every array is aligned and out overlaps none of the
+    inputs (unless it is x, in place); with idx: out C-contiguous and idx strictly increasing within range."""
+    if (pos.shape[0] != x.shape[0] or x.shape[2] < plan[7] or x.shape[0] < 2 * CACHE_BLOCK
+            or not aligned(meta(pos))):
+        return False
+    return _fused_variant(x, out, idx, pos, plan, min_bytes, n_threads)
+
+
+#: the types of a parameter set's ``plan`` (streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
+#: n_dims)
+PLAN_TYPE = types.Tuple((array_type(_INT64, 1),) + (array_type(_FLOAT64, 1),) * 3
+                        + (types.float64, types.float64, types.boolean, types.int64))
+FUSED = Route("rope.fused", fused_entry, lambda x_dtype, out_dtype, out_ndim, idx_dtype: _out_types(
+    x_dtype, out_dtype, out_ndim, idx_dtype) + (array_type(np.dtype(np.int32), 1), PLAN_TYPE, types.int64,
+                                                types.int64))
