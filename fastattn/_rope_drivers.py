@@ -107,37 +107,41 @@ def drive_serial(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout):
 
 
 @numba.njit(**_INLINE)
-def _whole_rows(x, out, idx, n_pairs, in_place, layout):
+def _whole_rows(x, out, n_pairs, in_place, layout):
     """The common prefill call: one batch, out of place, rows of adjacent elements rotated whole in chunks of 8
-    pairs (n_pairs % 8 == 0, 2·n_pairs == D), no index rows. The parallel drivers decide it once per call and then
-    hand each such token straight to the vector code (``_rotate_whole_rows``) instead of making ``_step``'s
-    per-token choices, a few percent of a prefill call."""
-    return (idx is None and x.shape[0] == 1 and not in_place and layout != ROWS_STRIDED
-            and n_pairs % LANES == 0 and 2 * n_pairs == x.shape[3])
+    pairs (n_pairs % 8 == 0, 2·n_pairs == D). The parallel drivers decide it once per call and then hand each
+    such token straight to the vector code (``_rotate_whole``) instead of making ``_step``'s per-token choices
+    and calls, a few percent of a prefill call."""
+    return (x.shape[0] == 1 and not in_place and layout != ROWS_STRIDED and n_pairs % LANES == 0
+            and 2 * n_pairs == x.shape[3])
 
 
 @numba.njit(**_INLINE)
-def _rotate_whole_rows(x, out, n, cache_row, n_pairs, interleaved):
-    """Token n of x (1, N, H, D) into out when ``_whole_rows``: the vector code alone (``rope_block``'s result)."""
+def _rotate_rows(src, dst, cache_row, n_pairs, interleaved):
+    """src (H, D) into dst (H, D) when ``_whole_rows``: the vector code alone (``rope_block``'s result)."""
     cos = cache_row[:n_pairs]
     sin = cache_row[n_pairs:2 * n_pairs]
     if interleaved:
-        rotate_rows_adjacent(x[0, n], out[0, n], cos, sin, 0)
+        rotate_rows_adjacent(src, dst, cos, sin, 0)
     else:
-        rotate_rows_split(x[0, n], out[0, n], cos, sin, 0)
+        rotate_rows_split(src, dst, cos, sin, 0)
 
 
-def _rotate_whole(x, out, idx, n, cache_row, n_pairs, interleaved):
-    """``_rotate_whole_rows`` when idx is None; with index rows (rope_set_rows, never whole) nothing, so that
-    drivers compiled for a cache as ``out`` do not type the rotation on its rows."""
+def _rotate_whole(x, out, idx, keep, n, cache_row, n_pairs, interleaved):
+    """Token n of x (1, N, H, D) rotated whole into out[0, n] when idx is None, else into the cache row
+    out[idx[n]] when ``keep`` marks it. Kernel-only."""
 
 
 @overload(_rotate_whole, inline="always")
-def _rotate_whole_impl(x, out, idx, n, cache_row, n_pairs, interleaved):
+def _rotate_whole_impl(x, out, idx, keep, n, cache_row, n_pairs, interleaved):
     if isinstance(idx, types.NoneType):
-        return lambda x, out, idx, n, cache_row, n_pairs, interleaved: _rotate_whole_rows(
-            x, out, n, cache_row, n_pairs, interleaved)
-    return lambda x, out, idx, n, cache_row, n_pairs, interleaved: None
+        return lambda x, out, idx, keep, n, cache_row, n_pairs, interleaved: _rotate_rows(
+            x[0, n], out[0, n], cache_row, n_pairs, interleaved)
+
+    def write(x, out, idx, keep, n, cache_row, n_pairs, interleaved):
+        if keep[n]:
+            _rotate_rows(x[0, n], out[idx[n]], cache_row, n_pairs, interleaved)
+    return write
 
 
 @numba.njit(parallel=True, **_EXACT)
@@ -145,13 +149,13 @@ def drive_parallel(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout
     """``drive_serial`` on ``n_threads`` threads, which take tasks of TOKENS_PER_TASK tokens from
     ``next_task`` (a zeroed int64 counter)."""
     n_tasks = (x.shape[1] + TOKENS_PER_TASK - 1) // TOKENS_PER_TASK
-    whole = _whole_rows(x, out, idx, n_pairs, in_place, layout)
+    whole = _whole_rows(x, out, n_pairs, in_place, layout)
     for _ in prange(n_threads):
         task = fetch_add(next_task)
         while task < n_tasks:
             for n in range(task * TOKENS_PER_TASK, min(x.shape[1], (task + 1) * TOKENS_PER_TASK)):
                 if whole:
-                    _rotate_whole(x, out, idx, n, cs[n], n_pairs, interleaved)
+                    _rotate_whole(x, out, idx, keep, n, cs[n], n_pairs, interleaved)
                 else:
                     _step(x, out, idx, keep, n, cs[n], n_pairs, interleaved, in_place, layout)
             task = fetch_add(next_task)
@@ -166,7 +170,7 @@ def drive_fused(x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_scal
     n_tokens = x.shape[1]
     n_pairs = w.shape[0]
     n_tasks = (n_tokens + CACHE_BLOCK - 1) // CACHE_BLOCK
-    whole = _whole_rows(x, out, idx, n_pairs, in_place, layout)
+    whole = _whole_rows(x, out, n_pairs, in_place, layout)
     for _ in prange(n_threads):
         cs = np.empty((CACHE_BLOCK, 2 * n_pairs), np.float32)
         task = fetch_add(next_task)
@@ -176,7 +180,7 @@ def drive_fused(x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_scal
             cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, n0, n1)
             for n in range(n0, n1):
                 if whole:
-                    _rotate_whole(x, out, idx, n, cs[n - n0], n_pairs, interleaved)
+                    _rotate_whole(x, out, idx, keep, n, cs[n - n0], n_pairs, interleaved)
                 else:
                     _step(x, out, idx, keep, n, cs[n - n0], n_pairs, interleaved, in_place, layout)
             task = fetch_add(next_task)

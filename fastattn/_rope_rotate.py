@@ -138,7 +138,7 @@ def _store_impl(v, like):
     return lambda v, like: from_f32(to_f32(v), like)
 
 
-@numba.njit(**_INLINE)
+@numba.njit(**_EXACT)
 def _rotate_in_place(row, cos, sin, n_pairs, interleaved):
     """Rotate the pairs of ``row`` (D,) in place with one token's cos/sin (each pair is read before written)."""
     if interleaved:
@@ -157,7 +157,7 @@ def _rotate_in_place(row, cos, sin, n_pairs, interleaved):
             second[p] = from_f32(a * sin[p] + b * cos[p], row)
 
 
-@numba.njit(**_INLINE)
+@numba.njit(**_EXACT)
 def _rotate_into(src, dst, cos, sin, n_pairs, interleaved):
     """dst = rope(src) for separate rows of any element types: widened, rotated in float32, narrowed once."""
     if interleaved:
@@ -178,7 +178,7 @@ def _rotate_into(src, dst, cos, sin, n_pairs, interleaved):
             dst_second[p] = from_f32(a * sin[p] + b * cos[p], dst)
 
 
-@numba.njit(**_INLINE)
+@numba.njit(**_EXACT)
 def _copy_tail(src, dst, start):
     """dst[start:] = src[start:] (converted if the types differ): the dims past the rotated span."""
     src_tail = src[start:]
@@ -187,7 +187,7 @@ def _copy_tail(src, dst, start):
         dst_tail[j] = _store(src_tail[j], dst)
 
 
-@numba.njit(**_INLINE)
+@numba.njit(**_EXACT)
 def _rotate_rest(src, dst, cos, sin, done, n_pairs, interleaved, in_place):
     """Pairs done .. n_pairs of one row (at most 7: those past the vector code's whole chunks), then, out of place,
     the dims past the rotated span."""
@@ -225,7 +225,7 @@ def token_layout(a: np.ndarray, b: np.ndarray) -> int:
     return ROWS_UNIT
 
 
-@numba.njit(**_INLINE)
+@numba.njit(**_EXACT)
 def rope_block(src, dst, cache_row, n_pairs, interleaved, in_place, layout, ahead):
     """One token's head rows src, dst (H, D) (the same memory in place) with its cache row (cos then sin).
 

@@ -466,8 +466,9 @@ def test_one_and_two_threads_agree_on_a_prefill_sized_call(threads):
 @pytest.mark.parametrize("mode", [fastattn.ROPE_NEOX, fastattn.ROPE_NORMAL])
 @pytest.mark.parametrize("dtype", [FLOAT32, FLOAT16])
 def test_whole_row_lane_of_the_parallel_drivers_gives_the_serial_bytes(mode, dtype):
-    """One batch, out of place, whole rows: the parallel drivers (rope_ext's fused pass and apply_rope_cache's)
-    hand each token straight to the vector code (``_rope_drivers._rotate_whole_rows``); the bytes are the serial path's."""
+    """One batch, out of place, whole rows: the parallel drivers (rope_ext's fused pass, apply_rope_cache's,
+    rope_set_rows' at increasing and at duplicate rows) hand each token straight to the vector code
+    (``_rope_drivers._rotate_whole``); the bytes are the serial path's."""
     if _threads.max_threads() < 2:
         pytest.skip("needs 2 threads")
     rng = np.random.default_rng(11)
@@ -477,11 +478,20 @@ def test_whole_row_lane_of_the_parallel_drivers_gives_the_serial_bytes(mode, dty
     cache = fastattn.rope_cache(pos, **kwargs)
     with fastattn.num_threads(1):
         serial = fastattn.apply_rope_cache(x, cache)
+    n = x.shape[0]
+    increasing = np.arange(n) * 2 + 1
+    duplicates = np.arange(n) // 3
+    with fastattn.num_threads(1):
+        serial_rows = [fastattn.apply_rope_cache_set_rows(np.zeros((2 * n + 1, 32 * 64), dtype), x, cache, idx)
+                       for idx in (increasing, duplicates)]
     with fastattn.num_threads(2):
         assert _threads.threads_for(2 * x.nbytes) == 2
-        for _ in range(2):  # the general path, then the prefill fast paths it records
+        for _ in range(2):  # the general path hands the first call to a route, the guard the second
             assert fastattn.rope_ext(x, pos, **kwargs).tobytes() == serial.tobytes()
             assert fastattn.apply_rope_cache(x, cache).tobytes() == serial.tobytes()
+            for idx, expected in zip((increasing, duplicates), serial_rows):
+                dst = np.zeros_like(expected)
+                assert fastattn.rope_set_rows(dst, x, pos, idx, **kwargs).tobytes() == expected.tobytes()
 
 
 # ---------------------------------------------------------------------------------------------------------------
