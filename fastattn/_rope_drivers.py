@@ -144,43 +144,59 @@ def _rotate_whole_impl(x, out, idx, keep, n, cache_row, n_pairs, interleaved):
     return write
 
 
+@numba.njit(**_EXACT)
+def _cached_tasks(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout, next_task):
+    """One thread's share of ``drive_parallel``: tasks of TOKENS_PER_TASK tokens from ``next_task`` until none is
+    left. A function of its own, so that the parallel region is one call (Numba's parfor passes then analyse a
+    call, not the whole loop nest: seconds of compilation)."""
+    n_tasks = (x.shape[1] + TOKENS_PER_TASK - 1) // TOKENS_PER_TASK
+    whole = _whole_rows(x, out, n_pairs, in_place, layout)
+    task = fetch_add(next_task)
+    while task < n_tasks:
+        for n in range(task * TOKENS_PER_TASK, min(x.shape[1], (task + 1) * TOKENS_PER_TASK)):
+            if whole:
+                _rotate_whole(x, out, idx, keep, n, cs[n], n_pairs, interleaved)
+            else:
+                _step(x, out, idx, keep, n, cs[n], n_pairs, interleaved, in_place, layout)
+        task = fetch_add(next_task)
+
+
 @numba.njit(parallel=True, **_EXACT)
 def drive_parallel(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout, next_task, n_threads):
     """``drive_serial`` on ``n_threads`` threads, which take tasks of TOKENS_PER_TASK tokens from
     ``next_task`` (a zeroed int64 counter)."""
-    n_tasks = (x.shape[1] + TOKENS_PER_TASK - 1) // TOKENS_PER_TASK
-    whole = _whole_rows(x, out, n_pairs, in_place, layout)
     for _ in prange(n_threads):
-        task = fetch_add(next_task)
-        while task < n_tasks:
-            for n in range(task * TOKENS_PER_TASK, min(x.shape[1], (task + 1) * TOKENS_PER_TASK)):
-                if whole:
-                    _rotate_whole(x, out, idx, keep, n, cs[n], n_pairs, interleaved)
-                else:
-                    _step(x, out, idx, keep, n, cs[n], n_pairs, interleaved, in_place, layout)
-            task = fetch_add(next_task)
+        _cached_tasks(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout, next_task)
 
 
-@numba.njit(parallel=True, **_EXACT)
-def drive_fused(x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
-                 in_place, layout, next_task, n_threads):
-    """``drive_parallel`` with the cos/sin made inside the same pass. A task is one CACHE_BLOCK of tokens: its
-    cos/sin go to the thread's scratch (exactly the values ``rope_cache`` would store: same blocks, same code),
-    then its tokens are stepped through while the scratch is in L1."""
+@numba.njit(**_EXACT)
+def _fused_tasks(x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
+                 in_place, layout, next_task):
+    """One thread's share of ``drive_fused`` (see ``_cached_tasks``), with its own cos/sin scratch."""
     n_tokens = x.shape[1]
     n_pairs = w.shape[0]
     n_tasks = (n_tokens + CACHE_BLOCK - 1) // CACHE_BLOCK
     whole = _whole_rows(x, out, n_pairs, in_place, layout)
-    for _ in prange(n_threads):
-        cs = np.empty((CACHE_BLOCK, 2 * n_pairs), np.float32)
+    cs = np.empty((CACHE_BLOCK, 2 * n_pairs), np.float32)
+    task = fetch_add(next_task)
+    while task < n_tasks:
+        n0 = task * CACHE_BLOCK
+        n1 = min(n_tokens, n0 + CACHE_BLOCK)
+        cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, n0, n1)
+        for n in range(n0, n1):
+            if whole:
+                _rotate_whole(x, out, idx, keep, n, cs[n - n0], n_pairs, interleaved)
+            else:
+                _step(x, out, idx, keep, n, cs[n - n0], n_pairs, interleaved, in_place, layout)
         task = fetch_add(next_task)
-        while task < n_tasks:
-            n0 = task * CACHE_BLOCK
-            n1 = min(n_tokens, n0 + CACHE_BLOCK)
-            cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, n0, n1)
-            for n in range(n0, n1):
-                if whole:
-                    _rotate_whole(x, out, idx, keep, n, cs[n - n0], n_pairs, interleaved)
-                else:
-                    _step(x, out, idx, keep, n, cs[n - n0], n_pairs, interleaved, in_place, layout)
-            task = fetch_add(next_task)
+
+
+@numba.njit(parallel=True, **_EXACT)
+def drive_fused(x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
+                in_place, layout, next_task, n_threads):
+    """``drive_parallel`` with the cos/sin made inside the same pass. A task is one CACHE_BLOCK of tokens: its
+    cos/sin go to the thread's scratch (exactly the values ``rope_cache`` would store: same blocks, same code),
+    then its tokens are stepped through while the scratch is in L1."""
+    for _ in prange(n_threads):
+        _fused_tasks(x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
+                     in_place, layout, next_task)
