@@ -21,11 +21,12 @@ from conftest import THREADS, measure, torch_or_none
 from fastattn import _attention_tiled
 from fastattn._args.attention import alibi_slopes
 from fastattn._kernel import kernel_view
+from fastattn.jobs import LAYER
 
-B, HQ, HKV, D = 1, 32, 8, 128
-SIZES = [512, 2048]
+B, HQ, HKV, D = 1, LAYER.n_head, LAYER.n_head_kv, LAYER.head_dim
+SIZES = [LAYER.n_prefill, 2048]  # the main job's prefill, then a longer prompt
 KV_DTYPES = [np.float16, np.float32]
-ROUNDS = {512: 7, 2048: 3}
+ROUNDS = dict(zip(SIZES, (7, 3)))
 
 
 def causal_flops(n: int) -> float:
@@ -76,7 +77,7 @@ def test_one_chunk(benchmark, n, kv_dtype, threads):
 def test_reference(benchmark, kv_dtype):
     from fastattn.reference import flash_attn_ext
 
-    n = 512
+    n = LAYER.n_prefill
     q, k, v, mask = inputs(n, kv_dtype)
     measure(benchmark, lambda: flash_attn_ext(q, k, v, mask, scale=D ** -0.5), group=group(n, kv_dtype),
             threads=1, flops=causal_flops(n), rounds=2)

@@ -1,4 +1,5 @@
-"""RoPE benchmarks: a Llama-3-8B-like layer (32 query heads, 8 KV heads, head dim 128), prefill 512 and decode.
+"""RoPE benchmarks: a Llama-3-8B-like layer (32 query heads, 8 KV heads, head dim 128), prefill 512 and decode:
+the main job's layer, ``fastattn.jobs.LAYER``.
 
 Groups (each at 1 and 2 threads, GB/s of x read + out written in ``extra_info``):
 - ``rope neox (512,32,128)``: a copy of the same bytes (the roof: a Numba prange copy), the reference,
@@ -28,9 +29,12 @@ from numba import prange
 import fastattn
 import fastattn.reference as ref
 from fastattn._kernel import kernel
+from fastattn.jobs import LAYER
 
-N, H, H_KV, D = 512, 32, 8, 128
-BASE = 500000.0
+N, H, H_KV, D = LAYER.n_prefill, LAYER.n_head, LAYER.n_head_kv, LAYER.head_dim
+BASE = LAYER.rope_base
+CACHE_ROWS = LAYER.kv_cache_rows
+DECODE_POS = CACHE_ROWS + 1  # a decode step past a full cache's worth of positions
 NEOX = dict(n_dims=D, mode=fastattn.ROPE_NEOX, freq_base=BASE)
 
 
@@ -97,6 +101,8 @@ def test_neox_out_of_place_vs_copy_paired(benchmark, threads):
 
     measure(benchmark, all_three, group=f"rope neox ({N},{H},{D}) f32 out of place vs copy, paired",
             threads=threads, nbytes=6 * x.nbytes)  # three calls, each reading and writing x's bytes
+    if benchmark.stats is None:  # --benchmark-disable: one untimed round, no ratio to record
+        return
     medians = {name: float(np.median(times[name][1:])) for name in names}
     for name in names:
         benchmark.extra_info[f"{name}_us"] = round(medians[name] * 1e6, 1)
@@ -123,6 +129,8 @@ def test_neox_in_place_fused_qkv_paired(benchmark, threads):
 
     measure(benchmark, both, group=f"rope neox ({N},{H},{D}) f32 in place, QKV view vs contiguous, paired",
             threads=threads, nbytes=4 * x.nbytes)  # two calls, each reading and writing x
+    if benchmark.stats is None:  # --benchmark-disable: one untimed round, no ratio to record
+        return
     contiguous, fused = (float(np.median(times[k][1:])) for k in ("contiguous", "qkv"))
     benchmark.extra_info["contiguous_us"] = round(contiguous * 1e6, 1)
     benchmark.extra_info["qkv_us"] = round(fused * 1e6, 1)
@@ -149,7 +157,7 @@ def test_other_modes_prefill(benchmark, mode, threads):
                                   "rope_cache"])
 def test_decode(benchmark, path, threads):
     x = _data((1, H, D))
-    pos = np.array([4097], np.int32)
+    pos = np.array([DECODE_POS], np.int32)
     cache = fastattn.rope_cache(pos, **NEOX)
     fns = {
         "apply_rope_cache in place": lambda: fastattn.apply_rope_cache(x, cache, out=x),
@@ -165,7 +173,7 @@ def test_decode(benchmark, path, threads):
 def test_rope_set_rows(benchmark, path, threads):
     k = _data((N, H_KV, D))
     pos = np.arange(N, dtype=np.int32) + 1000
-    cache = np.zeros((4096, H_KV * D), np.float16)
+    cache = np.zeros((CACHE_ROWS, H_KV * D), np.float16)
     idx = np.arange(N, dtype=np.int64) + 1000
     rotated = np.empty_like(k)
     def separate():
@@ -182,9 +190,9 @@ def test_rope_set_rows(benchmark, path, threads):
 @pytest.mark.parametrize("path", ["apply_rope_cache_set_rows (fused)", "apply_rope_cache + set_rows"])
 def test_rope_set_rows_decode(benchmark, path, threads):
     k = _data((1, H_KV, D))
-    cache = fastattn.rope_cache(np.array([4097], np.int32), **NEOX)
-    kv = np.zeros((8192, H_KV * D), np.float16)
-    idx = np.array([4097], np.int64)
+    cache = fastattn.rope_cache(np.array([DECODE_POS], np.int32), **NEOX)
+    kv = np.zeros((2 * CACHE_ROWS, H_KV * D), np.float16)
+    idx = np.array([DECODE_POS], np.int64)
     rotated = np.empty_like(k)
     def separate():
         fastattn.apply_rope_cache(k, cache, out=rotated)

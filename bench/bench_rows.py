@@ -1,4 +1,5 @@
-"""SET_ROWS into a float16 (4096, 1024) KV cache: 512 rows (prefill) and 1 row (decode) of float32.
+"""SET_ROWS into a float16 (4096, 1024) KV cache: 512 rows (prefill) and 1 row (decode) of float32 (the main
+job's layer, ``fastattn.jobs.LAYER``: KV-cache rows x n_head_kv * head_dim).
 
 Fast vs reference vs the NumPy assignment with casting vs torch, beside a copy of the same bytes, at 1 and 2
 threads. ``extra_info``: GB/s (src read + cache rows written).
@@ -9,8 +10,10 @@ import pytest
 import fastattn
 import fastattn.reference as ref
 from conftest import THREADS, copy_baseline, measure, torch_or_none
+from fastattn.jobs import LAYER
 
-CASES = {"set_rows 512 rows f32 -> f16 (4096, 1024)": 512, "set_rows 1 row f32 -> f16 (4096, 1024)": 1}
+N, R, W = LAYER.n_prefill, LAYER.kv_cache_rows, LAYER.n_head_kv * LAYER.head_dim
+CASES = {f"set_rows {N} rows f32 -> f16 ({R}, {W})": N, f"set_rows 1 row f32 -> f16 ({R}, {W})": 1}
 IMPLS = ["copy", "fast", "reference", "numpy", "torch"]
 
 
@@ -20,10 +23,10 @@ IMPLS = ["copy", "fast", "reference", "numpy", "torch"]
 def test_set_rows(benchmark, group, impl, threads):
     rows = CASES[group]
     rng = np.random.default_rng(0)
-    cache = np.zeros((4096, 1024), np.float16)
-    src = rng.standard_normal((rows, 1024)).astype(np.float32)
-    idx = np.sort(rng.permutation(4096)[:rows]).astype(np.int64)
-    nbytes = src.nbytes + rows * 1024 * 2
+    cache = np.zeros((R, W), np.float16)
+    src = rng.standard_normal((rows, W)).astype(np.float32)
+    idx = np.sort(rng.permutation(R)[:rows]).astype(np.int64)
+    nbytes = src.nbytes + rows * W * 2
     if impl == "copy":
         fn = copy_baseline(nbytes)
     elif impl in ("fast", "reference"):

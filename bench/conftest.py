@@ -41,6 +41,8 @@ def measure(benchmark, fn, *, group: str, threads: int, nbytes: float = 0.0, flo
             result = benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=1)
         else:
             result = benchmark(fn)
+    if benchmark.stats is None:  # --benchmark-disable: fn ran once, untimed; nothing to record
+        return result
     median = benchmark.stats.stats.median
     if nbytes:
         benchmark.extra_info["GB/s"] = round(nbytes / median / 1e9, 2)

@@ -25,6 +25,7 @@ when transformers is installed.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -74,21 +75,40 @@ class LayerWeights:
                    w(c.hidden, c.ffn), w(c.hidden, c.ffn), w(c.ffn, c.hidden))
 
 
-class LlamaLayer:
-    """A decoder layer with its own token-major KV cache of ``config.max_ctx`` rows."""
+#: The steps of ``forward`` that call fastattn (the others are NumPy's).
+FASTATTN_STEPS = ("rms_norm_mul", "rope", "rope_set_rows", "set_rows", "flash_attn_ext", "add_rms_norm_mul")
 
-    def __init__(self, weights: LayerWeights, config: LlamaConfig, kv_dtype=np.float16):
+
+class LlamaLayer:
+    """A decoder layer with its own token-major KV cache of ``config.max_ctx`` rows.
+
+    ``announce=True`` prints a line to stderr before each fastattn step's first call for prefill and for decode
+    shapes, and its time after: the first calls compile the kernels (Numba caches them on disk, so only a first
+    run on a machine takes long).
+    """
+
+    def __init__(self, weights: LayerWeights, config: LlamaConfig, kv_dtype=np.float16, announce: bool = False):
         self.w, self.c = weights, config
         shape = (config.max_ctx, config.n_head_kv, config.head_dim)
         self.k_cache = np.zeros(shape, kv_dtype)
         self.v_cache = np.zeros(shape, kv_dtype)
         self.times: dict[str, float] = defaultdict(float)
+        self.announce = announce
+        self._stage = "prefill"
+        self._seen: set[tuple[str, str]] = set()
 
     @contextmanager
     def _timed(self, op: str):
+        first = self.announce and op in FASTATTN_STEPS and (op, self._stage) not in self._seen
+        if first:
+            print(f"  {op}, {self._stage} shapes ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         yield
-        self.times[op] += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self.times[op] += spent
+        if first:
+            self._seen.add((op, self._stage))
+            print(f"  {op}, {self._stage} shapes: {spent:.2f} s", file=sys.stderr, flush=True)
 
     def forward(self, x: np.ndarray, pos: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         """x (N, hidden) float32 for tokens at positions ``pos`` -> (N, hidden) float32.
@@ -98,6 +118,7 @@ class LlamaLayer:
         """
         c, w, t = self.c, self.w, self._timed
         n, hq, hkv, d = x.shape[0], c.n_head, c.n_head_kv, c.head_dim
+        self._stage = "decode" if n == 1 else "prefill"
         if rows is None:
             if pos.ndim != 1:
                 raise ValueError("rows (the KV-cache rows) is required with (4, N) positions")
@@ -162,10 +183,14 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(1)
     # Run the same shapes once untimed, so every kernel variant they pick (tiled vs one_chunk vs split_kv
     # attention, serial vs parallel norms and row writes) is compiled or loaded from Numba's cache first.
-    warm = LlamaLayer(LayerWeights.random(config), config)
+    print("compiling kernels (first run only: Numba caches them on disk; python -m fastattn warmup compiles "
+          "them ahead of time) ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    warm = LlamaLayer(LayerWeights.random(config), config, announce=True)
     warm.forward(rng.standard_normal((args.prefill, config.hidden)).astype(np.float32),
                  np.arange(args.prefill, dtype=np.int32))
     warm.forward(rng.standard_normal((1, config.hidden)).astype(np.float32), np.array([args.prefill], np.int32))
+    print(f"kernels ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
     x = rng.standard_normal((args.prefill, config.hidden)).astype(np.float32)
     t0 = time.perf_counter()

@@ -13,7 +13,7 @@ import fastattn.reference as ref
 from fastattn import _threads
 from fastattn._kernel import KERNEL_OPTIONS
 from fastattn._validate import FLOAT16, FLOAT32, STORAGE_FLOATS
-from rules import assert_half_within_1ulp, assert_within_rule
+from fastattn.testing import assert_half_within_1ulp, assert_within_rule
 from strategies import dims, eps_values, fill, float_dtypes, seeds, strided, thread_counts
 
 OPS = ("rms_norm", "rms_norm_mul", "add_rms_norm_mul")
@@ -256,125 +256,30 @@ def test_contiguous_float32_kernel_vectorises():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The decode fast path (fastattn/_dispatch.py): taken for 2-D calls once the general path has recorded their dtypes;
-# everything else (and every bad input) goes on to the general path, which must then behave as if it ran alone.
+# Calls after the route ``norm.rows`` holds its entry points (tests/test_routes.py tests every route in depth).
 _norm_module = sys.modules[fastattn.rms_norm.__module__]
 
 
-def _general_only(monkeypatch):
-    """From now on every call misses the fast path."""
-    monkeypatch.setattr(_norm_module._fast, "get", lambda key: None)
-
-
-def _warm_fast_path(x_dtype=FLOAT32, w_dtype=FLOAT32):
-    """One small general-path call per op records the entry points for these dtypes."""
-    x = np.ones((2, 8), x_dtype)
+def _give_the_route_entries():
+    x = np.ones((2, 8), np.float32)
     fastattn.rms_norm(x, 1e-5)
-    fastattn.rms_norm_mul(x, np.ones(8, w_dtype), 1e-5)
-
-
-@st.composite
-def fast_path_cases(draw):
-    """2-D x (often one row), 1-D w or none, every layout, in place or not: cases the fast path takes or declines."""
-    dtype = draw(float_dtypes)
-    shape = (draw(st.sampled_from((1, 1, 3))), draw(dims(1, 70)))
-    x = draw(strided(shape, dtype, kind=draw(st.sampled_from(("normal", "mixed")))))
-    w = None
-    if draw(st.booleans()):
-        w_len = draw(st.sampled_from((shape[1], shape[1], 1)))
-        w = draw(strided((w_len,), draw(float_dtypes), scale=2.0))
-    where = draw(st.sampled_from(("new", "view", "in_place")))
-    out = draw(strided(shape, dtype)) if where == "view" else None
-    return x, w, out, where, draw(eps_values)
-
-
-@given(case=fast_path_cases())
-def test_fast_path_gives_the_general_paths_bytes(case):
-    x, w, out, where, eps = case
-    _warm_fast_path(x.array.dtype, FLOAT32 if w is None else w.array.dtype)
-    fast_x, general_x = x.array, x.array.copy()
-    fast_out = {"new": None, "view": None if out is None else out.array, "in_place": fast_x}[where]
-    general_out = {"new": None, "view": None if out is None else out.array.copy(), "in_place": general_x}[where]
-    args = () if w is None else (w.array,)
-    op = fastattn.rms_norm if w is None else fastattn.rms_norm_mul
-    with pytest.MonkeyPatch.context() as mp:
-        _general_only(mp)
-        expected = op(general_x, *args, eps, out=general_out)
-    got = op(fast_x, *args, eps, out=fast_out)
-    assert got.dtype == x.array.dtype and got.shape == x.array.shape
-    if fast_out is not None:
-        assert got is fast_out
-    assert got.tobytes() == expected.tobytes()
-    for v in [x] + ([out] if out is not None else []):
-        v.assert_outside_unchanged()
-    if w is not None:
-        w.assert_all_unchanged()
-
-
-@pytest.mark.parametrize("dtype", STORAGE_FLOATS, ids=str)
-@pytest.mark.parametrize("where", ["new", "out", "in_place", "read_only_x", "padded_rows"])
-def test_decode_calls_take_the_fast_path(monkeypatch, dtype, where):
-    """Once recorded, a plain 2-D call never reaches the general path, and gives its bytes."""
-    rng = np.random.default_rng(8)
-    _warm_fast_path(dtype)
-    x = fill(rng, (1, 4096), dtype) if where != "padded_rows" else fill(rng, (3, 4100), dtype)[:, 2:4098]
-    w = fill(rng, (x.shape[1],), FLOAT32, scale=2.0)
-    if where == "read_only_x":
-        x.flags.writeable = False
-
-    def run(op, args):
-        xc = x.copy() if where == "in_place" else x
-        out = {"out": np.empty_like(x), "in_place": xc}.get(where)
-        y = op(xc, *args, 1e-5, out=out)
-        assert y.dtype == dtype and y.shape == x.shape and (out is None or y is out)
-        return y.tobytes()
-
-    calls = [(fastattn.rms_norm_mul, (w,)), (fastattn.rms_norm, ())]
-    with pytest.MonkeyPatch.context() as mp:
-        _general_only(mp)
-        expected = [run(op, args) for op, args in calls]
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the general path ran")
-    monkeypatch.setattr(_norm_module._args, "rms_norm_mul", refuse)
-    monkeypatch.setattr(_norm_module._args, "rms_norm", refuse)
-    assert [run(op, args) for op, args in calls] == expected
+    fastattn.rms_norm_mul(x, np.ones(8, np.float32), 1e-5)
 
 
 @pytest.mark.parametrize("what, bad_call, error, message", _bad_calls(), ids=[c[0] for c in _bad_calls()])
-def test_bad_inputs_after_the_fast_path_is_recorded(what, bad_call, error, message):
-    """The fast path declines every bad call before writing, and the general path raises its usual message."""
-    _warm_fast_path()
+def test_bad_inputs_after_the_route_holds_entries(what, bad_call, error, message):
+    _give_the_route_entries()
     test_bad_inputs_raise_naming_the_argument_and_write_nothing(fastattn, what, bad_call, error, message)
 
 
-@pytest.mark.parametrize("eps", [float("inf"), -0.5, float("nan")])
-def test_fast_path_refuses_bad_eps(eps):
-    _warm_fast_path()
-    x = np.ones((1, 16), np.float32)
-    out = np.full_like(x, 7.0)
-    with pytest.raises(ValueError, match="eps must be"):
-        fastattn.rms_norm_mul(x, np.ones(16, np.float32), eps, out=out)
-    assert (out == 7.0).all()
-
-
-def test_fast_path_leaves_unaligned_and_parallel_calls_to_the_general_path(monkeypatch):
-    _warm_fast_path()
+def test_unaligned_rows_give_the_aligned_bytes():
+    _give_the_route_entries()
     rng = np.random.default_rng(9)
     x = np.zeros(4 * 64 + 2, np.uint8)[2:].view(np.float32).reshape(1, 64)  # misaligned by 2 bytes
     assert not x.flags.aligned
     x[...] = fill(rng, (1, 64), FLOAT32)
     w = fill(rng, (64,), FLOAT32)
     assert fastattn.rms_norm_mul(x, w, 1e-5).tobytes() == fastattn.rms_norm_mul(x.copy(), w, 1e-5).tobytes()
-
-    launched = []
-    parallel = _norm_module._norm_parallel
-    monkeypatch.setattr(_norm_module, "_norm_parallel", lambda *args: launched.append(1) or parallel(*args))
-    big = fill(rng, (200, 4096), FLOAT32)
-    assert 2 * big.nbytes >= _threads.PARALLEL_MIN_BYTES
-    with fastattn.num_threads(2):
-        fastattn.rms_norm_mul(big, fill(rng, (4096,), FLOAT32), 1e-5)
-    assert launched == ([1] if _threads.max_threads() > 1 else [])
 
 
 def test_fast_kernel_vectorises():

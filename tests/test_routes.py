@@ -25,7 +25,7 @@ from strategies import StridedView, dims, positions, rope_configs, strided
 
 import fastattn
 from fastattn import _threads
-from fastattn._dispatch import ROUTES, forget_routes, general_only
+from fastattn.testing import forget_routes, general_only, parallel_min_bytes, routes
 from fastattn._rope_cache import CACHE_BLOCK
 from fastattn._validate import BFLOAT16, FLOAT16, FLOAT32, STORAGE_FLOATS
 
@@ -47,7 +47,7 @@ class Case:
     def run(self) -> tuple[list[bytes], list[bytes]]:
         for view in self.views:
             view.parent[...] = view.snapshot
-        with fastattn.num_threads(min(self.threads, _threads.max_threads())), _threads.parallel_min_bytes(
+        with fastattn.num_threads(min(self.threads, _threads.max_threads())), parallel_min_bytes(
                 _threads.PARALLEL_MIN_BYTES if self.parallel_from is None else self.parallel_from):
             result = self.call()
         results = result if isinstance(result, tuple) else (result,)
@@ -231,7 +231,7 @@ def _rope_fused_bad():
     buf = np.ones((n, 2, 32), np.float32)
     kv = np.zeros((n + 2, 64), np.float16)
     idx = np.arange(n, dtype=np.int64)
-    with _threads.parallel_min_bytes(0):
+    with parallel_min_bytes(0):
         fastattn.rope_ext(buf.copy(), pos, **kwargs)
         fastattn.rope_set_rows(kv, buf, pos, idx, **kwargs)
     read_only = buf.copy()
@@ -278,12 +278,10 @@ ROUTE_CASES = {
 }
 
 
-def test_every_route_is_tested():
-    import fastattn.attention  # noqa: F401  (each op module registers its routes on import)
-    import fastattn.norm  # noqa: F401
-    import fastattn.rope  # noqa: F401
-    import fastattn.rows  # noqa: F401
+ROUTES = routes()
 
+
+def test_every_route_is_tested():
     assert set(ROUTES) == set(ROUTE_CASES)
 
 
@@ -307,7 +305,7 @@ def test_route_gives_the_general_paths_bytes_from_its_first_call(name, data):
 @pytest.mark.parametrize("name", sorted(ROUTE_CASES))
 def test_route_declines_bad_calls_with_the_general_paths_error(name):
     """At sizes the route takes (parallel kernels from 0 bytes, for the prefill route)."""
-    with _threads.parallel_min_bytes(0 if name == "rope.fused" else _threads.PARALLEL_MIN_BYTES):
+    with parallel_min_bytes(0 if name == "rope.fused" else _threads.PARALLEL_MIN_BYTES):
         bad_calls, watched = ROUTE_CASES[name][1]()  # after its valid calls: the route holds entry points
         assert ROUTES[name].entries
         before = [a.tobytes() for a in watched]

@@ -180,82 +180,23 @@ def test_contiguous_float32_to_float16_rows_vectorise():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The decode fast path (fastattn/_dispatch.py): taken for 2-D calls once the general path has recorded their dtypes;
-# everything else (and every bad input) goes on to the general path, which must then behave as if it ran alone.
+# Calls after the route ``set_rows.rows`` holds its entry points (tests/test_routes.py tests every route in depth).
 _rows_module = sys.modules[fastattn.set_rows.__module__]
 
 
-def _warm_fast_path(dst_dtype=FLOAT32, src_dtype=FLOAT32):
-    """Small general-path calls record the entry points for these dtypes and both index dtypes."""
+def _give_the_route_entries(dst_dtype=FLOAT32, src_dtype=FLOAT32):
     for idx_dtype in INDEX_INTS:
         fastattn.set_rows(np.zeros((4, 8), dst_dtype), np.zeros((1, 8), src_dtype), np.zeros(1, idx_dtype))
 
 
-@st.composite
-def fast_path_cases(draw):
-    """2-D dst and src (often one row), 1-D idx, every layout and index: cases the fast path takes or declines."""
-    n_rows, n, d = draw(dims(1, 40)), draw(st.sampled_from((0, 1, 1, 3))), draw(dims(1, 70))
-    dst = draw(strided((n_rows, d), draw(float_dtypes)))
-    src = draw(strided((n, d), draw(float_dtypes), kind=draw(st.sampled_from(("normal", "mixed")))))
-    values = draw(index_sets(n_rows, n))
-    if n and draw(st.integers(0, 4)) == 0:
-        values[draw(st.integers(0, n - 1))] = draw(st.sampled_from((-1, n_rows)))  # out of range
-    idx = draw(strided((n,), draw(st.sampled_from(INDEX_INTS)), values=values)).array
-    return dst, src, idx
-
-
-@given(case=fast_path_cases())
-def test_fast_path_gives_the_general_paths_bytes(case):
-    dst, src, idx = case
-    _warm_fast_path(dst.array.dtype, src.array.dtype)
-    general_dst = dst.array.copy()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_rows_module._fast, "get", lambda key: None)
-        try:
-            _rows_module.set_rows(general_dst, src.array, idx)
-            error = None
-        except ValueError as e:
-            error = str(e)
-    if error is None:
-        assert fastattn.set_rows(dst.array, src.array, idx) is dst.array
-    else:
-        with pytest.raises(ValueError) as raised:
-            fastattn.set_rows(dst.array, src.array, idx)
-        assert str(raised.value) == error
-    assert dst.array.tobytes() == general_dst.tobytes()
-    dst.assert_outside_unchanged()
-    src.assert_all_unchanged()
-
-
-@pytest.mark.parametrize("idx_dtype", INDEX_INTS, ids=str)
-@pytest.mark.parametrize("src_dtype", STORAGE_FLOATS, ids=str)
-@pytest.mark.parametrize("dst_dtype", STORAGE_FLOATS, ids=str)
-def test_decode_calls_take_the_fast_path(monkeypatch, dst_dtype, src_dtype, idx_dtype):
-    """Once recorded, a one-row write into a cache (or a slice of one) never reaches the general path."""
-    rng = np.random.default_rng(10)
-    _warm_fast_path(dst_dtype, src_dtype)
-    cache = np.zeros((64, 2, 1024), dst_dtype)
-    src = fill(rng, (1, 1024), src_dtype)
-    expected = cache.copy()
-    expected[37, 1] = src[0].astype(dst_dtype)
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the general path ran")
-    monkeypatch.setattr(_rows_module._args, "set_rows", refuse)
-    rows = cache[:, 1]  # a slice of the cache: rows of unit stride, 4 KiB apart
-    assert fastattn.set_rows(rows, src, np.array([37], idx_dtype)) is rows
-    assert cache.tobytes() == expected.tobytes()
-
-
 @pytest.mark.parametrize("what, bad_call, error, message", _bad_calls(), ids=[c[0] for c in _bad_calls()])
-def test_bad_inputs_after_the_fast_path_is_recorded(what, bad_call, error, message):
-    """The fast path declines every bad call before writing, and the general path raises its usual message."""
-    _warm_fast_path()
+def test_bad_inputs_after_the_route_holds_entries(what, bad_call, error, message):
+    _give_the_route_entries()
     test_bad_inputs_raise_naming_the_argument_and_write_nothing(fastattn, what, bad_call, error, message)
 
 
-def test_fast_path_leaves_read_only_unaligned_and_parallel_calls_to_the_general_path(monkeypatch):
-    _warm_fast_path(FLOAT16)
+def test_read_only_and_unaligned_caches():
+    _give_the_route_entries(FLOAT16)
     dst = np.zeros((4, 8), np.float16)
     dst.flags.writeable = False
     with pytest.raises(ValueError, match="dst must be writeable"):
@@ -264,14 +205,6 @@ def test_fast_path_leaves_read_only_unaligned_and_parallel_calls_to_the_general_
     assert not unaligned.flags.aligned
     fastattn.set_rows(unaligned, np.ones((1, 8), np.float32), np.array([2]))
     assert unaligned[2].tolist() == [1.0] * 8 and not unaligned[[0, 1, 3]].any()
-
-    launched = []
-    parallel = _rows_module._set_rows_parallel
-    monkeypatch.setattr(_rows_module, "_set_rows_parallel", lambda *args: launched.append(1) or parallel(*args))
-    src = np.ones((512, 1024), np.float32)
-    with fastattn.num_threads(2):
-        fastattn.set_rows(np.zeros((600, 1024), np.float16), src, np.arange(512))
-    assert launched == ([1] if _threads.max_threads() > 1 else [])
 
 
 def test_fast_kernel_vectorises():

@@ -1,13 +1,13 @@
 """The main job: run every op on a Llama-like layer, check fast against the reference, time both.
 
-Each op module here (``norm``, ``set_rows``, ...) registers a function that builds its ``Case``s for a
-``Config``; ``run`` executes them and ``format_table`` prints the result. ``python -m fastattn`` is the CLI.
+Each op module here (``norm``, ``rows``, ...) registers a function that builds its ``Case``s for a ``Config``;
+``run`` executes them and ``report`` turns the results into the table, its legend, the summary line and the
+warnings. ``python -m fastattn`` is the CLI. ``Config`` is also where the benchmarks (bench/) take their shapes
+from, so each shape is defined once.
 """
 from __future__ import annotations
 
 import importlib
-import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
@@ -15,6 +15,9 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from .. import _threads
+from .checks import Check
+from .progress import CompileWatch, Progress
+from .timing import Timing, time_rounds
 
 #: Op modules of this package that register cases (in table order).
 OP_MODULES = ("norm", "rows", "rope", "attention")
@@ -22,7 +25,7 @@ OP_MODULES = ("norm", "rows", "rope", "attention")
 
 @dataclass(frozen=True)
 class Config:
-    """A Llama-3-8B-like layer."""
+    """A Llama-3-8B-like layer, and the KV cache the decode cases read."""
 
     hidden: int = 4096
     n_head: int = 32
@@ -31,7 +34,13 @@ class Config:
     n_prefill: int = 512
     eps: float = 1e-5
     rope_base: float = 500000.0
+    kv_cache_rows: int = 4096  # rows of the KV cache set_rows writes into
+    decode_n_kv: int = 512  # KV rows a decode step reads: ggml's (and ``auto``'s) smallest split-KV context
     seed: int = 0
+
+
+#: The layer every case and benchmark is shaped after.
+LAYER = Config()
 
 
 @dataclass
@@ -43,10 +52,13 @@ class Case:
     path: str
     fast: Callable[[], Any]
     reference: Callable[[], Any]
-    #: (fast result, reference result) -> (max abs error, within the SPEC's rule)
-    check: Callable[[Any, Any], tuple[float, bool]]
+    check: Check
     nbytes: float = 0.0  # bytes read + written, for GB/s
     flops: float = 0.0  # for GFLOP/s (when set, reported instead of GB/s)
+
+    @property
+    def label(self) -> str:
+        return f"{self.op} {self.shape}, {self.path}"
 
 
 @dataclass
@@ -56,13 +68,20 @@ class Result:
     path: str
     threads: int
     max_error: float
+    bound: float | None  # the absolute error allowed (None: ulps or bit equality, see tolerance)
     ok: bool
-    reference_ms: float
-    fast_ms: float
+    tolerance: str  # what ok was checked against, in words
+    reference_ms: float  # median of the rounds
+    fast_ms: float  # median of the rounds
     first_call_ms: float
-    speedup: float
+    speedup: float  # reference_ms / fast_ms
     rate: float
     rate_unit: str
+    reference_min_ms: float = 0.0
+    fast_min_ms: float = 0.0
+    rounds: int = 0
+    compiled: bool = False  # the first call compiled kernels (rather than loading them from Numba's cache)
+    compile_s: float = 0.0  # seconds the first call spent compiling
     extra: dict = field(default_factory=dict)
 
 
@@ -83,51 +102,80 @@ def available_ops() -> list[str]:
     return list(_BUILDERS)
 
 
-def median_ms(fn: Callable[[], Any], budget_s: float, min_runs: int = 3, max_runs: int = 200) -> float:
-    """Median wall time of ``fn`` in ms: at least ``min_runs`` runs, more while within ``budget_s``."""
-    times = []
-    start = time.perf_counter()
-    while len(times) < max_runs and (len(times) < min_runs or time.perf_counter() - start < budget_s):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
-def run(ops: Iterable[str] | None = None, threads: Iterable[int] = (None,), config: Config = Config(),
-        budget_s: float = 0.5, progress: Callable[[str], None] | None = None) -> list[Result]:
-    """Build, check and time every case of ``ops`` (all when None) at each thread count."""
+def select_ops(ops: Iterable[str] | None) -> list[str]:
+    """The op groups to run, in table order; ``ValueError`` naming the unknown ones."""
     names = available_ops()
-    wanted = names if ops is None else [o for o in names if o in set(ops)]
-    unknown = set(ops or ()) - set(names)
+    if ops is None:
+        return names
+    ops = list(ops)
+    unknown = sorted(set(ops) - set(names))
     if unknown:
-        raise ValueError(f"ops: unknown {sorted(unknown)}; expected some of {names}")
-    results = []
-    for n_threads in threads:
-        with _threads.num_threads(n_threads or _threads.get_num_threads()) as n:
-            for op in wanted:
-                for case in _BUILDERS[op](config, np.random.default_rng(config.seed)):
+        raise ValueError(f"ops: unknown {unknown}; expected some of {names}")
+    return [o for o in names if o in set(ops)]
+
+
+def build(ops: list[str], config: Config = LAYER) -> list[Case]:
+    """Every case of ``ops``, with fresh inputs (the same for the same config)."""
+    return [case for op in ops for case in _BUILDERS[op](config, np.random.default_rng(config.seed))]
+
+
+def run(ops: Iterable[str] | None = None, threads: Iterable[int | None] = (None,), config: Config = LAYER,
+        budget_s: float = 0.5, rounds: int = 5, progress: Progress | None = None) -> list[Result]:
+    """Build, check and time every case of ``ops`` (all when None) at each thread count (None: the current one).
+
+    ``budget_s``: seconds of timing per figure (fast and reference each), split into ``rounds`` rounds. The
+    reference is run and timed once per case, at the first thread count (it does not use fastattn's threads).
+    """
+    wanted = select_ops(ops)
+    counts = [n or _threads.get_num_threads() for n in threads]
+    results: list[Result] = []
+    references: dict[tuple[str, str, str], tuple[Any, Timing]] = {}
+    with CompileWatch(progress) as watch:
+        if progress:
+            progress.preparing(f"preparing the cases of {', '.join(wanted)}")
+        first = build(wanted, config)
+        total, k = len(first) * len(counts), 0
+        for i, n_threads in enumerate(counts):
+            cases = first if i == 0 else build(wanted, config)  # fresh inputs: some cases work in place
+            with _threads.num_threads(n_threads) as n:
+                for case in cases:
+                    k += 1
                     if progress:
-                        progress(f"{case.op} {case.shape} {case.path} ({n} threads)")
-                    results.append(_run_case(case, n, budget_s))
+                        progress.case(k, total, f"{case.label}, {n} thread{'' if n == 1 else 's'}")
+                    results.append(_run_case(case, n, budget_s, rounds, watch, references))
+            first = cases = []  # let the inputs go before the next thread count builds its own
+    if progress:
+        progress.finish()
     return results
 
 
-def _run_case(case: Case, n_threads: int, budget_s: float) -> Result:
+def _run_case(case: Case, n_threads: int, budget_s: float, rounds: int, watch: CompileWatch,
+              references: dict) -> Result:
+    compiles, compile_s = watch.started, watch.seconds
     t0 = time.perf_counter()
     fast_out = _snapshot(case.fast())  # a copy: in-place cases overwrite their result while being timed
     first_ms = (time.perf_counter() - t0) * 1e3
+    compiled, compile_s = watch.started > compiles, watch.seconds - compile_s
     # The fast path is timed before the reference runs: OpenBLAS's worker threads spin for a while after the
     # reference's matmuls and would steal the cores a parallel kernel launched right then needs.
-    fast_ms = median_ms(case.fast, budget_s)
-    error, ok = case.check(fast_out, case.reference())
-    reference_ms = median_ms(case.reference, budget_s, min_runs=1)
-    if case.flops:
-        rate, unit = case.flops / fast_ms / 1e6, "GFLOP/s"
-    else:
-        rate, unit = case.nbytes / fast_ms / 1e6, "GB/s"
-    return Result(case.op, case.shape, case.path, n_threads, error, ok, reference_ms, fast_ms, first_ms,
-                  reference_ms / fast_ms, rate, unit)
+    fast = time_rounds(case.fast, budget_s, rounds)
+    key = (case.op, case.shape, case.path)
+    if key not in references:
+        t0 = time.perf_counter()
+        reference_out = _snapshot(case.reference())
+        once = time.perf_counter() - t0
+        # a reference slower than the whole budget (float64 attention: seconds) gets 3 rounds of one call
+        ref_rounds = rounds if once <= budget_s else min(rounds, 3)
+        references[key] = (reference_out, time_rounds(case.reference, budget_s, ref_rounds, once_s=once))
+    reference_out, reference = references[key]
+    verdict = case.check(fast_out, reference_out)
+    rate, unit = ((case.flops / fast.median_ms / 1e6, "GFLOP/s") if case.flops
+                  else (case.nbytes / fast.median_ms / 1e6, "GB/s"))
+    return Result(case.op, case.shape, case.path, n_threads, verdict.error, verdict.bound, verdict.ok,
+                  case.check.tolerance, reference.median_ms, fast.median_ms, first_ms,
+                  reference.median_ms / fast.median_ms, rate, unit, reference.min_ms, fast.min_ms, fast.rounds,
+                  compiled, compile_s,
+                  extra={"parallel": bool(case.flops) or case.nbytes >= _threads.PARALLEL_MIN_BYTES})
 
 
 def _snapshot(result):
@@ -137,42 +185,10 @@ def _snapshot(result):
 
 
 def format_table(results: list[Result]) -> str:
-    header = ("op", "shape", "path", "thr", "max err", "ok", "ref ms", "fast ms", "speed-up", "rate", "1st call ms")
-    rows = [header] + [
-        (r.op, r.shape, r.path, str(r.threads), f"{r.max_error:.2e}", "yes" if r.ok else "NO",
-         f"{r.reference_ms:.3f}", f"{r.fast_ms:.4f}", f"{r.speedup:.1f}x", f"{r.rate:.1f} {r.rate_unit}",
-         f"{r.first_call_ms:.0f}")
-        for r in results
-    ]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    """The results as an aligned plain-text table (see ``report.LEGEND`` for the columns)."""
+    from .report import table
+    return table(results)
 
 
 def as_dicts(results: list[Result]) -> list[dict]:
     return [asdict(r) for r in results]
-
-
-def compare_arrays(tolerance: Callable[[np.ndarray], float]):
-    """A ``Case.check`` comparing array results elementwise: max |fast - ref| <= ``tolerance(ref)``."""
-    def check(fast, reference):
-        fast64 = np.asarray(fast, np.float64)
-        ref64 = np.asarray(reference, np.float64)
-        error = float(np.max(np.abs(fast64 - ref64))) if ref64.size else 0.0
-        return error, bool(error <= tolerance(ref64))
-    return check
-
-
-def progress_printer(stream=sys.stderr):
-    """A one-line progress indicator for terminals (plain lines otherwise)."""
-    count = [0]
-
-    def show(message: str) -> None:
-        count[0] += 1
-        if stream.isatty():
-            stream.write(f"\r\033[K[{count[0]}] {message}")
-        else:
-            stream.write(f"[{count[0]}] {message}\n")
-        stream.flush()
-    return show

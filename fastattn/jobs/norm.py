@@ -4,19 +4,15 @@ from __future__ import annotations
 import numpy as np
 
 from . import Case, Config, register
+from .checks import bit_exact, both, float32_rule
+
+#: The rule's absolute floor: outputs are O(|w|), a few float32 roundings of that (as tests/test_norm.py).
+FLOOR = 1e-6
 
 
-def _naive_f32(s: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """The straightforward float32 NumPy evaluation the SPEC's rule measures against."""
+def naive_f32(s: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """The straightforward float32 NumPy evaluation the rule measures against: s (rows, D), w (D,) float32."""
     return s / np.sqrt(np.mean(s * s, axis=-1, keepdims=True) + np.float32(eps)) * w
-
-
-def _rule(naive: np.ndarray, floor: float = 1e-6):
-    """check(fast y, float64 reference y): max error <= 2 x the naive float32 error + floor."""
-    def check(fast, reference):
-        error = float(np.max(np.abs(fast.astype(np.float64) - reference)))
-        return error, error <= 2 * float(np.max(np.abs(naive - reference))) + floor
-    return check
 
 
 @register("norm")
@@ -33,20 +29,15 @@ def cases(config: Config, rng: np.random.Generator) -> list[Case]:
         out.append(Case("rms_norm_mul", f"({rows}, {d}) f32", path,
                         fast=lambda x=x, y=y: fastattn.rms_norm_mul(x, w, eps, out=y),
                         reference=lambda x=x, y64=y64: ref.rms_norm_mul(x, w, eps, out=y64),
-                        check=_rule(_naive_f32(x, w, eps)), nbytes=2 * x.nbytes + w.nbytes))
+                        check=float32_rule(naive_f32(x, w, eps), FLOOR), nbytes=2 * x.nbytes + w.nbytes))
 
     rows = config.n_prefill
     x, residual = (rng.standard_normal((rows, d)).astype(np.float32) for _ in range(2))
     s, y, s64, y64 = np.empty_like(x), np.empty_like(x), np.empty(x.shape), np.empty(x.shape)
-    naive_y = _naive_f32(x + residual, w, eps)
-
-    def check_add(fast, reference):
-        (fs, fy), (rs, ry) = fast, reference
-        error, ok = _rule(naive_y)(fy, ry)
-        return error, ok and fs.tobytes() == rs.astype(np.float32).tobytes()  # the sum: rounded once, exact
-
+    # the sum is rounded once to float32, so it must be exact; y by the rule
+    check = both(bit_exact(), float32_rule(naive_f32(x + residual, w, eps), FLOOR), "sum {}; y {}")
     out.append(Case("add_rms_norm_mul", f"({rows}, {d}) f32", "prefill",
                     fast=lambda: fastattn.add_rms_norm_mul(x, residual, w, eps, out=y, sum_out=s),
                     reference=lambda: ref.add_rms_norm_mul(x, residual, w, eps, out=y64, sum_out=s64),
-                    check=check_add, nbytes=4 * x.nbytes + w.nbytes))
+                    check=check, nbytes=4 * x.nbytes + w.nbytes))
     return out

@@ -1,15 +1,15 @@
 """Main-job cases for RoPE on a Llama-3-8B-like layer: NEOX prefill, in place on Q inside a fused QKV buffer, a
 decode step with a prebuilt cos/sin cache, and the fused RoPE -> float16 KV-cache write.
 
-Checks follow the SPEC: float32 results within 2x the error of a straightforward float32 NumPy evaluation plus a
-small floor; float16 results within 1 ulp of the correctly rounded value (or within the float32 floor where the
-result cancels to near zero).
+Checks are ``fastattn.testing``'s rule: float32 results within 2x the error of a straightforward float32 NumPy
+evaluation plus a small floor; float16 results within 1 ulp of the correctly rounded value.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from . import Case, Config, register
+from .checks import float32_rule, half_1ulp
 
 #: absolute floor of the rule, per unit of |x| (a few float32 roundings)
 _FLOOR = 4e-7
@@ -25,31 +25,9 @@ def _naive_f32_neox(x: np.ndarray, pos: np.ndarray, base: float) -> np.ndarray:
     return np.concatenate([a * c - b * s, a * s + b * c], -1)
 
 
-def _rule_check(x: np.ndarray, pos: np.ndarray, base: float):
-    """(fast, reference float64) -> (max error, within 2x naive float32 error + floor)."""
-    naive = _naive_f32_neox(x, pos, base).astype(np.float64)
-    floor = _FLOOR * (1 + float(np.abs(x).max()))
-
-    def check(fast, reference):
-        ref64 = np.asarray(reference, np.float64)
-        error = float(np.abs(np.asarray(fast, np.float64) - ref64).max())
-        return error, error <= 2 * float(np.abs(naive - ref64).max()) + floor
-    return check
-
-
-def _half_check(x: np.ndarray):
-    """float16 result vs float64 reference: <= 1 ulp of the rounded value, or within the float32 floor."""
-    floor = _FLOOR * (1 + float(np.abs(x).max()))
-
-    def check(fast, reference):
-        ref64 = np.asarray(reference, np.float64)
-        fast = np.ascontiguousarray(fast)
-        rounded = ref64.astype(fast.dtype)
-        ia, ib = fast.view(np.uint16).astype(np.int32), rounded.view(np.uint16).astype(np.int32)
-        ulps = np.abs(np.where(ia & 0x8000, -(ia & 0x7FFF), ia) - np.where(ib & 0x8000, -(ib & 0x7FFF), ib))
-        diff = np.abs(fast.astype(np.float64) - ref64)
-        return float(diff.max()), bool(np.all((ulps <= 1) | (diff <= floor)))
-    return check
+def _rule(x: np.ndarray, pos: np.ndarray, base: float):
+    """The rule against the float32 NEOX evaluation, with a floor of a few float32 roundings of |x|."""
+    return float32_rule(_naive_f32_neox(x, pos, base), _FLOOR * (1 + float(np.abs(x).max())))
 
 
 @register("rope")
@@ -67,7 +45,7 @@ def rope_cases(config: Config, rng: np.random.Generator) -> list[Case]:
     cases.append(Case("rope_ext", f"({n},{h},{d}) f32", "neox out of place",
                       fast=lambda: fastattn.rope_ext(x, pos, **neox, out=out),
                       reference=lambda: ref.rope_ext(x, pos, **neox, out=np.empty(x.shape)),
-                      check=_rule_check(x, pos, base), nbytes=2 * x.nbytes))
+                      check=_rule(x, pos, base), nbytes=2 * x.nbytes))
 
     # Q inside the fused QKV projection output, rotated in place. The first (checked) call rotates the original
     # values; timing calls keep rotating the same buffer.
@@ -77,7 +55,7 @@ def rope_cases(config: Config, rng: np.random.Generator) -> list[Case]:
     cases.append(Case("rope_ext", f"({n},{h},{d}) f32", "neox in place, fused QKV view",
                       fast=lambda: fastattn.rope_ext(q, pos, **neox, out=q),
                       reference=lambda: ref.rope_ext(q0, pos, **neox, out=np.empty(q0.shape)),
-                      check=_rule_check(q0, pos, base), nbytes=2 * q.nbytes))
+                      check=_rule(q0, pos, base), nbytes=2 * q.nbytes))
 
     # decode: one cache for the step, applied in place (to Q; K is the same call)
     step = np.array([n], np.int32)
@@ -87,7 +65,7 @@ def rope_cases(config: Config, rng: np.random.Generator) -> list[Case]:
     cases.append(Case("apply_rope_cache", f"(1,{h},{d}) f32", "decode, prebuilt cache, in place",
                       fast=lambda: fastattn.apply_rope_cache(xq, cache, out=xq),
                       reference=lambda: ref.rope_ext(xq0, step, **neox, out=np.empty(xq0.shape)),
-                      check=_rule_check(xq0, step, base), nbytes=2 * xq.nbytes))
+                      check=_rule(xq0, step, base), nbytes=2 * xq.nbytes))
 
     # fused RoPE -> float16 KV cache write of K
     k = rng.standard_normal((n, h_kv, d)).astype(np.float32)
@@ -100,5 +78,5 @@ def rope_cases(config: Config, rng: np.random.Generator) -> list[Case]:
 
     cases.append(Case("rope_set_rows", f"K ({n},{h_kv},{d}) -> f16", "fused",
                       fast=fused, reference=lambda: ref.rope_ext(k, pos, **neox, out=np.empty(k.shape)),
-                      check=_half_check(k), nbytes=k.nbytes + n * h_kv * d * 2))
+                      check=half_1ulp(), nbytes=k.nbytes + n * h_kv * d * 2))
     return cases

@@ -1,0 +1,62 @@
+"""What the main job records about the machine: CPU, cores, load, versions; and when to call it busy."""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+
+def cores() -> int:
+    """CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux), else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def busy_warning(load: float | None, n_cores: int) -> str | None:
+    """A warning when the load average exceeds the cores: more threads wanted to run than there were CPUs, so
+    timings include waits for a CPU."""
+    if load is None or load <= n_cores:
+        return None
+    return (f"the machine is busy: load average {load:.1f} on {n_cores} core(s); other processes compete for "
+            f"the CPUs and the times are unreliable (read the min column, and rerun on a quiet machine)")
+
+
+def describe(thread_counts: list[int]) -> dict:
+    """Versions, CPU and thread counts, for the JSON report."""
+    import numba
+    import numpy as np
+
+    from .. import __version__, _threads
+
+    return {
+        "fastattn": __version__,
+        "numba": numba.__version__,
+        "numpy": np.__version__,
+        "python": sys.version.split()[0],
+        "cpu": cpu_model(),
+        "cores": cores(),
+        "numba_threads": _threads.max_threads(),
+        "threading_layer": _threads.threading_layer(),
+        "threads": list(thread_counts),
+    }

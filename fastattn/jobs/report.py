@@ -1,0 +1,108 @@
+"""What the main job prints and writes: the table, its legend, the summary line, warnings, the JSON report."""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict
+
+from .. import _threads
+from . import Result
+
+#: 2 threads are reported as slower than 1 when their median exceeds 1 thread's by more than this factor.
+SLOWER_FACTOR = 1.10
+#: A figure is reported as noisy when its median round exceeds its fastest round by more than this factor.
+NOISY_FACTOR = 1.5
+
+LEGEND = """\
+ok        the fast result against the float64 NumPy reference (fastattn.reference), by the rule of
+          fastattn.testing: float32 results within 2x the error of a plain float32 NumPy evaluation of the
+          same formula plus a small floor; float16 results within 1 ulp of the correctly rounded value;
+          set_rows bit-exact (each case's tolerance: "tolerances" in the --json report). "max err" is
+          max |fast - reference|.
+ms        time per call, "min / median" over the rounds (each round: back-to-back calls).
+speed-up  reference median / fast median. The reference is plain float64 NumPy, the definition the results
+          are checked against, not a tuned competitor; below 1x the fast path is slower than it.
+rate      the fast median as GB/s (bytes read + written) or GFLOP/s (attention prefill).
+1st call  the case's first fast call in this process: it compiles the kernels the case needs ("compiled";
+          they are then cached on disk) or loads them from Numba's cache, and picks the path."""
+
+
+def _ms(value: float) -> str:
+    return f"{value:.4f}" if value < 1 else f"{value:.3f}" if value < 100 else f"{value:.1f}"
+
+
+def _first_call(r: Result) -> str:
+    text = f"{r.first_call_ms / 1e3:.2f} s" if r.first_call_ms >= 1000 else f"{r.first_call_ms:.1f} ms"
+    return text + (", compiled" if r.compiled else "")
+
+
+def table(results: list[Result]) -> str:
+    """The results as an aligned plain-text table."""
+    header = ("op", "shape", "path", "thr", "max err", "ok", "ref ms min / med", "fast ms min / med",
+              "speed-up", "rate", "1st call")
+    rows = [header] + [
+        (r.op, r.shape, r.path, str(r.threads), f"{r.max_error:.2e}", "yes" if r.ok else "NO",
+         f"{_ms(r.reference_min_ms)} / {_ms(r.reference_ms)}", f"{_ms(r.fast_min_ms)} / {_ms(r.fast_ms)}",
+         f"{r.speedup:.1f}x", f"{r.rate:.1f} {r.rate_unit}", _first_call(r))
+        for r in results
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def summary(results: list[Result]) -> str:
+    """``12/12 agree with the reference``, naming the cases that do not."""
+    agree = sum(r.ok for r in results)
+    line = f"{agree}/{len(results)} agree with the reference"
+    failed = [f"{r.op} {r.shape} {r.path} ({r.threads} thr)" for r in results if not r.ok]
+    if failed:
+        line += f"; outside the tolerance: {'; '.join(failed)}"
+    return line
+
+
+def warnings(results: list[Result], busy: list[str]) -> list[str]:
+    """Busy-machine warnings (``busy``, from the load average), cases where more threads were slower, fast
+    paths slower than the reference, and figures whose rounds disagree widely."""
+    found = list(busy)
+    by_case: dict[tuple, dict[int, Result]] = defaultdict(dict)
+    for r in results:
+        by_case[r.op, r.shape, r.path][r.threads] = r
+    for (op, shape, path), runs in by_case.items():
+        if len(runs) < 2 or 1 not in runs:
+            continue
+        one = runs[1]
+        parallel = one.extra.get("parallel", True)
+        for n, r in sorted(runs.items()):
+            if n > 1 and parallel and r.fast_ms > SLOWER_FACTOR * one.fast_ms:
+                found.append(f"{op} {shape} {path}: {n} threads took {_ms(r.fast_ms)} ms, 1 thread "
+                             f"{_ms(one.fast_ms)} ms; more threads should not be slower: other processes "
+                             f"probably hold the cores")
+    slow = [f"{r.op} {r.shape} {r.path} ({r.threads} thr): {r.speedup:.2f}x" for r in results if r.speedup < 1]
+    if slow:
+        found.append("fast path slower than the float64 NumPy reference: " + "; ".join(slow)
+                     + " (expected only on a busy machine: compare the min columns)")
+    noisy = [f"{r.op} {r.shape} {r.path} ({r.threads} thr)" for r in results
+             if r.fast_ms > NOISY_FACTOR * r.fast_min_ms]
+    if noisy:
+        found.append(f"noisy timings (median round > {NOISY_FACTOR}x the fastest): " + "; ".join(noisy))
+    return found
+
+
+def json_report(results: list[Result], *, machine: dict, budget_s: float, rounds: int, load: dict,
+                warnings_found: list[str]) -> dict:
+    """Everything the table shows, with versions, CPU, thread counts and the tolerances applied."""
+    tolerances = {}
+    for r in results:
+        tolerances.setdefault(r.op, {})[f"{r.shape}, {r.path}"] = r.tolerance
+    return {
+        **machine,
+        "budget_s": budget_s,
+        "rounds": rounds,
+        "parallel_min_bytes": _threads.PARALLEL_MIN_BYTES,
+        "load_average": load,
+        "tolerances": tolerances,
+        "summary": {"cases": len(results), "agree": sum(r.ok for r in results), "line": summary(results)},
+        "warnings": warnings_found,
+        "results": [asdict(r) for r in results],
+    }

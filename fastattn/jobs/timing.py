@@ -1,0 +1,47 @@
+"""Timing for the main job: several rounds per figure, reported as min and median.
+
+One number from one stretch of calls is easily off by a factor of several on a shared machine (the same op has
+read 0.75 ms in one run and 7.99 ms in another), so each figure is ``rounds`` rounds of back-to-back calls; a
+round's figure is its mean time per call, and the job reports the minimum (the machine at its quietest) and the
+median over rounds. A wide gap between the two says the machine was busy.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+#: At most this many calls per round (decode-sized calls take microseconds).
+MAX_CALLS_PER_ROUND = 10_000
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per-call milliseconds: the fastest round and the median round, over ``rounds`` rounds of ``calls``."""
+
+    min_ms: float
+    median_ms: float
+    rounds: int
+    calls: int
+
+
+def time_rounds(fn: Callable[[], Any], budget_s: float, rounds: int, once_s: float | None = None) -> Timing:
+    """Time ``fn``: ``rounds`` rounds of ``calls`` calls each, ``calls`` chosen so that all rounds together take
+    about ``budget_s`` (at least one call per round, whatever the budget). ``once_s``: the time of a call just
+    made, to size the rounds by; when None, one untimed call measures it (and warms the caches)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if once_s is None:
+        t0 = time.perf_counter()
+        fn()
+        once_s = time.perf_counter() - t0
+    once = max(once_s, 1e-7)
+    calls = int(min(MAX_CALLS_PER_ROUND, max(1, budget_s / rounds / once)))
+    per_call = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - t0) / calls)
+    return Timing(min(per_call) * 1e3, statistics.median(per_call) * 1e3, rounds, calls)

@@ -1,0 +1,188 @@
+"""``python -m fastattn``: JSON alone on stdout with --json -, progress and table on stderr, a summary line, plain
+--help, exit status 1 when a case disagrees; ``warmup``: its units, options, and a small run that warms a cache."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fastattn import __main__ as cli
+from fastattn import jobs
+from fastattn.jobs import checks, warmup
+
+#: The cheapest op group: two small kernels to compile.
+CHEAP_OPS = "set_rows"
+
+
+def _run(*args, cache_dir=None, timeout=600) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if cache_dir is not None:
+        env["NUMBA_CACHE_DIR"] = str(cache_dir)
+    return subprocess.run([sys.executable, "-m", "fastattn", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def json_run(tmp_path_factory):
+    """One run of the cheap group, compiling into an empty Numba cache (so its first calls compile)."""
+    return _run("--ops", CHEAP_OPS, "--threads", "1", "--budget", "0.01", "--json", "-",
+                cache_dir=tmp_path_factory.mktemp("numba_cache"))
+
+
+def test_json_dash_writes_only_json_to_stdout(json_run):
+    assert json_run.returncode == 0, json_run.stderr
+    report = json.loads(json_run.stdout)  # the whole of stdout is one JSON document
+    for field in ("fastattn", "numba", "numpy", "cpu", "cores", "numba_threads", "threads", "tolerances",
+                  "budget_s", "rounds", "load_average", "summary", "warnings", "results"):
+        assert field in report, field
+    assert report["threads"] == [1]
+    assert report["tolerances"]["set_rows"]  # every case's tolerance, in words
+    assert {r["op"] for r in report["results"]} == {"set_rows"}
+    for r in report["results"]:
+        assert r["ok"] and r["threads"] == 1
+        assert r["fast_min_ms"] <= r["fast_ms"] and r["reference_min_ms"] <= r["reference_ms"]
+        assert r["compiled"]  # an empty cache: the first call compiled
+    assert report["summary"]["line"] == f"{len(report['results'])}/{len(report['results'])} agree with the reference"
+
+
+def test_progress_table_legend_and_summary_go_to_stderr(json_run):
+    err = json_run.stderr
+    assert re.search(r"^\[1/2\] +\d+\.\d s  set_rows .*1 thread$", err, re.M), err
+    assert re.search(r"^\[2/2\] ", err, re.M)
+    assert re.search(r"^ +compiling rows kernel \S+ for ", err, re.M)  # the compiling marker
+    assert re.search(r"^op +shape +path +thr +max err +ok +ref ms min / med +fast ms min / med", err, re.M)
+    assert "speed-up  reference median / fast median" in err  # the legend
+    assert re.search(r"^2/2 agree with the reference$", err, re.M)
+    assert "fastattn: compiling" not in err  # the notices show as progress, not as loose lines
+
+
+def test_without_json_the_table_and_summary_go_to_stdout(tmp_path):
+    run = _run("--ops", CHEAP_OPS, "--threads", "1", "--budget", "0.01", "--rounds", "2")
+    assert run.returncode == 0, run.stderr
+    assert re.search(r"^set_rows +512 x 1024", run.stdout, re.M)
+    assert re.search(r"^2/2 agree with the reference$", run.stdout, re.M)
+    assert "2 rounds per figure" in run.stdout
+    assert "[1/2]" in run.stderr and "[1/2]" not in run.stdout
+
+
+def test_help_is_plain_text():
+    run = _run("--help")
+    assert run.returncode == 0
+    assert "``" not in run.stdout and "`" not in run.stdout and ":func:" not in run.stdout
+    for word in ("check", "bench", "warmup", "--json", "--dtypes", "Exit status"):
+        assert word in run.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# In-process: the exit status and the warnings, on a NumPy-only op group (nothing to compile).
+def _numpy_cases(config, rng, *, wrong: bool):
+    x = rng.standard_normal(1000).astype(np.float32)
+    naive = (x * np.float32(3)).astype(np.float32)
+
+    def fast():
+        return x * np.float32(3) + (np.float32(1e-3) if wrong else np.float32(0))
+
+    return [jobs.Case("triple", "(1000,) f32", "numpy", fast=fast, reference=lambda: x.astype(np.float64) * 3,
+                      check=checks.float32_rule(naive, 1e-6), nbytes=8000)]
+
+
+@pytest.mark.parametrize("wrong, status", [(False, 0), (True, 1)])
+def test_exit_status_is_1_when_a_case_disagrees(monkeypatch, capsys, wrong, status):
+    monkeypatch.setitem(jobs._BUILDERS, "numpy_only",
+                        lambda config, rng: _numpy_cases(config, rng, wrong=wrong))
+    assert cli.main(["--ops", "numpy_only", "--threads", "1", "--budget", "0.001", "--rounds", "2"]) == status
+    out = capsys.readouterr().out
+    if wrong:
+        assert "0/1 agree with the reference; outside the tolerance: triple (1000,) f32 numpy (1 thr)" in out
+    else:
+        assert "1/1 agree with the reference" in out
+
+
+def test_busy_machine_and_slow_fast_paths_are_warned_about():
+    from fastattn.jobs import machine, report
+
+    assert machine.busy_warning(1.5, 2) is None
+    assert "load average 3.5 on 2 core(s)" in machine.busy_warning(3.5, 2)
+    base = dict(op="rms_norm_mul", shape="(512, 4096) f32", path="prefill", max_error=0.0, bound=1.0, ok=True,
+                tolerance="", reference_ms=1.0, first_call_ms=1.0, rate=1.0, rate_unit="GB/s")
+    one = jobs.Result(threads=1, fast_ms=0.5, fast_min_ms=0.5, speedup=2.0, **base)
+    two = jobs.Result(threads=2, fast_ms=3.0, fast_min_ms=1.0, speedup=0.33, **base)
+    found = report.warnings([one, two], [])
+    assert any("2 threads took 3.000 ms, 1 thread 0.5000 ms" in w for w in found)
+    assert any("slower than the float64 NumPy reference: rms_norm_mul (512, 4096) f32 prefill (2 thr): 0.33x" in w
+               for w in found)
+    assert any(w.startswith("noisy timings") for w in found)
+    assert report.warnings([one], []) == []
+
+
+@pytest.mark.parametrize("argv", [["--dtypes", "float32"], ["--jobs", "2"], ["warmup", "--json", "-"],
+                                  ["check", "--plot", "x.png"], ["--ops", "nope"], ["--threads", "0"],
+                                  ["--budget", "-1"], ["warmup", "--ops", "nope"], ["warmup", "--dtypes", "int8"]])
+def test_bad_arguments_exit_with_status_2(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# warmup
+def test_warmup_units_cover_every_group_and_dtype():
+    units = warmup.units(None, ["float32", "float16"])
+    assert [u.label for u in units] == [
+        "attention prefill float32", "attention prefill float16", "attention decode float32",
+        "attention decode float16", "rope float32", "rope float16", "norm float32", "norm float16",
+        "set_rows float32", "set_rows float16"]
+    assert warmup.units(["rope"], ["float16"]) == [warmup.Unit("rope", "float16")]
+    assert {u.dtype for u in warmup.units(["norm"])} == set(warmup.DEFAULT_DTYPES)
+    with pytest.raises(ValueError, match="ops: unknown"):
+        warmup.units(["nope"], ["float32"])
+    with pytest.raises(ValueError, match="dtypes: expected float32, float16 or bfloat16, got 'int8'"):
+        warmup.units(None, ["int8"])
+
+
+def test_warmup_compiles_into_the_cache_and_a_new_process_finds_it(tmp_path):
+    run = _run("warmup", "--ops", CHEAP_OPS, "--dtypes", "float32", "--threads", "1", cache_dir=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == ""
+    assert re.search(r"^\[1/1\] \[#+\] set_rows float32 +\d+\.\d s  \(\d+ kernel\(s\) compiled\)$", run.stderr,
+                     re.M), run.stderr
+    assert re.search(r"^warm-up done in \d+\.\d s: \d+ kernel\(s\) compiled", run.stderr, re.M)
+    assert list(tmp_path.rglob("*.nbi"))
+    # a new process: the first calls of set_rows (as the main job makes them) load from the cache
+    code = ("import numpy as np, fastattn\n"
+            "fastattn.set_num_threads(1)  # as warmed\n"
+            "cache = np.zeros((1024, 1024), np.float32)\n"
+            "for rows in (1, 512):\n"
+            "    fastattn.set_rows(cache, np.ones((rows, 1024), np.float32), np.arange(rows))\n")
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                           env=dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path)))
+    assert first.returncode == 0, first.stderr
+    assert "fastattn: compiling" not in first.stderr, first.stderr
+
+
+def test_progress_on_a_terminal_rewrites_one_line_with_the_compiling_marker():
+    import io
+
+    from fastattn.jobs.progress import Progress, elapsed
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    progress = Progress(stream)
+    progress.case(3, 12, "rope_ext (512,32,128) f32, neox, 2 threads")
+    progress.compiling("start", "rope_routes kernel fused_entry for float32", None)
+    progress.compiling("end", "rope_routes kernel fused_entry for float32", 6.25)
+    progress.finish()
+    text = stream.getvalue()
+    assert "\n" not in text  # one status line, rewritten in place
+    assert re.search(r"\r\x1b\[K\[ 3/12\] +\d+\.\d s  rope_ext \(512,32,128\) f32, neox, 2 threads"
+                     r"  \[compiling rope_routes kernel fused_entry for float32 \.\.\.\]", text)
+    assert "[compiled rope_routes kernel fused_entry for float32 in 6.2 s]" in text
+    assert text.endswith("\r\x1b[K")
+    assert (elapsed(12.34), elapsed(125)) == ("12.3 s", "2:05")
