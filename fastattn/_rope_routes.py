@@ -1,14 +1,16 @@
-"""RoPE's two routes (``_dispatch``): the entry kernels that take RoPE calls without Numba's dispatcher.
+"""RoPE's routes (``_dispatch``): the entry kernels that take RoPE calls without Numba's dispatcher.
 
 - ``rope.cached``: a decode-sized call with a prebuilt cos/sin table ``cs`` (``apply_rope_cache`` on 3-D x), run
   serially on the calling thread.
 - ``rope.fused``: a prefill-sized call at int32 positions of one stream (``rope_ext`` on 3-D x), cos/sin made in
   the same pass on ``n_threads`` threads (``_rope_drivers.drive_fused``).
+- ``rope.cached_prefill``: a prefill-sized ``apply_rope_cache`` on 3-D x, on threads (``drive_parallel``): right
+  after a kernel that streamed megabytes the general path's Python alone cost a fifth of such a call.
 
-Each has a set-rows variant, chosen by whether there is an index (``idx`` None or an int array: the type picks
-the variant when the entry compiles): the rotated rows go to rows ``idx`` of a KV cache ``out`` ((R, H·D) or
-(R, H, D)) instead of ``out``'s own token rows (``apply_rope_cache_set_rows``, ``rope_set_rows``). A route's key
-is ``(x dtype, out dtype, out.ndim, idx dtype or None)``.
+The first two have a set-rows variant, chosen by whether there is an index (``idx`` None or an int array: the
+type picks the variant when the entry compiles): the rotated rows go to rows ``idx`` of a KV cache ``out``
+((R, H·D) or (R, H, D)) instead of ``out``'s own token rows (``apply_rope_cache_set_rows``, ``rope_set_rows``);
+their key is ``(x dtype, out dtype, out.ndim, idx dtype or None)``.
 
 Every entry kernel checks what it relies on before it writes anything and returns False to decline (the op's
 general path then runs the call, or raises its error).
@@ -23,7 +25,7 @@ from numba.extending import overload
 from ._dispatch import Route, aligned, array_type, c_contiguous, meta, overlaps, same_view, unit_rows
 from ._kernel import assume_contiguous, use_threads
 from ._rope_cache import CACHE_BLOCK
-from ._rope_drivers import drive_fused
+from ._rope_drivers import drive_fused, drive_parallel
 from ._rope_rotate import _EXACT, _INLINE, ROWS_UNIT, rope_block, token_layout_of
 from ._validate import FLOAT32
 
@@ -221,3 +223,32 @@ PLAN_TYPE = types.Tuple((array_type(_INT64, 1),) + (array_type(_FLOAT64, 1),) * 
 FUSED = Route("rope.fused", fused_entry, lambda x_dtype, out_dtype, out_ndim, idx_dtype: _out_types(
     x_dtype, out_dtype, out_ndim, idx_dtype) + (array_type(np.dtype(np.int32), 1), PLAN_TYPE, types.int64,
                                                 types.int64))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rope.cached_prefill
+@numba.njit(**_EXACT)
+def cached_prefill_entry(x, out, cs, pairing, min_bytes, n_threads):
+    """``apply_rope_cache`` of a prefill: x and out (N, H, D) of one dtype (out may be x), the table cs, on
+    ``n_threads`` threads. Returns False, having written nothing, unless out has x's shape, x fits the table, at
+    least ``min_bytes`` move over two tokens or more, x and out are aligned and out overlaps neither x (unless it
+    is x) nor cs."""
+    n_pairs, interleaved, min_head_dim, exact_head_dim = pairing
+    n, _, d = x.shape
+    if out.shape != x.shape or n < 2 or 2 * x.size * x.itemsize < min_bytes:
+        return False
+    if not _fits_table(n, d, cs, min_head_dim, exact_head_dim):
+        return False
+    mx, mo = meta(x), meta(out)
+    in_place = same_view(mo, mx)
+    if (overlaps(mo, mx) and not in_place) or overlaps(mo, meta(cs)) or not (aligned(mx) and aligned(mo)):
+        return False
+    use_threads(n_threads)
+    drive_parallel(x[np.newaxis], out[np.newaxis], None, None, cs, n_pairs, interleaved, in_place,
+                   token_layout_of(mx, mo, d), np.zeros(1, np.int64), n_threads)
+    return True
+
+
+CACHED_PREFILL = Route("rope.cached_prefill", cached_prefill_entry, lambda x_dtype: (
+    array_type(x_dtype, 3), array_type(x_dtype, 3), _F32_TABLE, PAIRING_TYPE, types.int64, types.int64))
+

@@ -20,8 +20,9 @@ otherwise looped over. float16 travels as uint16 bits (``_kernel.kernel_view``).
 ``_threads.PARALLEL_MIN_BYTES`` and on ``prange`` threads above it.
 
 Each public function is a guard, a route (``_rope_routes``: ``rope.cached`` for a decode-sized call with a
-table, ``rope.fused`` for a prefill at one stream of int32 positions; each with its set-rows variant) and a
-general path that parses once and hands the parsed call to a route when one takes it (``_dispatch``).
+table, ``rope.fused`` for a prefill at one stream of int32 positions, each with its set-rows variant, and
+``rope.cached_prefill`` for a prefill with a table) and a general path that parses once and hands the parsed call
+to a route when one takes it (``_dispatch``).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from ._kernel import kernel_view
 from ._rope_cache import CACHE_BLOCK, build_cs
 from ._rope_drivers import drive_fused, drive_parallel, drive_serial
 from ._rope_rotate import token_layout
-from ._rope_routes import CACHED, FUSED
+from ._rope_routes import CACHED, CACHED_PREFILL, FUSED
 from ._validate import STORAGE_FLOATS
 
 __all__ = ["RopeCache", "rope_cache", "apply_rope_cache", "rope_ext", "rope_set_rows", "apply_rope_cache_set_rows"]
@@ -108,9 +109,13 @@ def _as_4d(a: np.ndarray) -> np.ndarray | None:
 def _rotate(x: np.ndarray, out: np.ndarray, cs: np.ndarray, pairing: tuple) -> None:
     """out = the rotation of x (..., N, H, D) by the table cs (out may be x): the route ``rope.cached`` when it
     takes the call, else the drivers (leading axes that do not merge: one call per leading index, no copy)."""
-    if (x.ndim == 3 and 2 * x.nbytes < _threads.PARALLEL_MIN_BYTES
-            and CACHED.run((x.dtype, x.dtype, 3, None), x, out, None, cs, pairing, _threads.PARALLEL_MIN_BYTES)):
-        return
+    if x.ndim == 3:
+        if 2 * x.nbytes < _threads.PARALLEL_MIN_BYTES:
+            if CACHED.run((x.dtype, x.dtype, 3, None), x, out, None, cs, pairing, _threads.PARALLEL_MIN_BYTES):
+                return
+        elif CACHED_PREFILL.run((x.dtype,), x, out, cs, pairing, _threads.PARALLEL_MIN_BYTES,
+                                _threads.get_num_threads()):
+            return
     x4, out4 = _as_4d(x), _as_4d(out)
     if x4 is None or out4 is None:
         for index in np.ndindex(*x.shape[:-4]):
@@ -184,11 +189,18 @@ def apply_rope_cache(x: np.ndarray, cache: RopeCache, *, out: np.ndarray | None 
         raise _args.cache_error(cache, "fastattn.rope_cache")
     if x.__class__ is _ND and x.ndim == 3 and (out is None or (out.__class__ is _ND and out.ndim == 3
                                                            and out.dtype is x.dtype and out.flags.writeable)):
-        entry = CACHED.get((x.dtype, x.dtype, 3, None))  # the route (see _dispatch)
-        if entry is not None:
-            y = np.empty(x.shape, x.dtype) if out is None else out
-            if entry(x, y, None, cache.cs, cache.pairing, _threads.PARALLEL_MIN_BYTES):
-                return y
+        if 2 * x.nbytes < _threads.PARALLEL_MIN_BYTES:  # the routes (see _dispatch)
+            entry = CACHED.get((x.dtype, x.dtype, 3, None))
+            if entry is not None:
+                y = np.empty(x.shape, x.dtype) if out is None else out
+                if entry(x, y, None, cache.cs, cache.pairing, _threads.PARALLEL_MIN_BYTES):
+                    return y
+        else:
+            entry = CACHED_PREFILL.get((x.dtype,))
+            if entry is not None:
+                y = np.empty(x.shape, x.dtype) if out is None else out
+                if entry(x, y, cache.cs, cache.pairing, _threads.PARALLEL_MIN_BYTES, _threads.get_num_threads()):
+                    return y
     _args.parse_x(x)
     cache.params.check_head_dim("x", x.shape[-1])
     if x.shape[-3] != cache.n_tokens:

@@ -124,6 +124,20 @@ def rope_cached(draw):
 
 
 @st.composite
+def rope_cached_prefill(draw):
+    kwargs, d, streams = draw(rope_configs())
+    n, h = draw(st.integers(2, 40)), draw(st.integers(1, 4))
+    cache = fastattn.rope_cache(positions(streams, n, np.random.default_rng(draw(st.integers(0, 2**16))), "large"),
+                                **kwargs)
+    dtype = draw(st.sampled_from((FLOAT32, FLOAT16)))
+    x = draw(strided((n, h, d), dtype))
+    out, out_view = _out(_Drawer(draw), (n, h, d), dtype, x, draw(st.sampled_from(("new", "view", "in place"))))
+    views = [x] + ([out_view] if out_view is not None else [])
+    return Case(lambda: fastattn.apply_rope_cache(x.array, cache, out=out), views, True,
+                draw(st.sampled_from((1, 2))), 0)
+
+
+@st.composite
 def rope_fused(draw):
     mode = draw(st.sampled_from((fastattn.ROPE_NORMAL, NEOX)))
     kwargs, d, _ = draw(rope_configs(mode=mode))
@@ -224,6 +238,19 @@ def _rope_cached_bad():
             lambda: fastattn.apply_rope_cache_set_rows(kv[:, :16], x, cache, np.array([0]))], [x, kv, buf]
 
 
+def _rope_cached_prefill_bad():
+    x = np.ones((4, 2, 16), np.float32)
+    cache = fastattn.rope_cache(np.arange(4, dtype=np.int32), n_dims=16, mode=NEOX)
+    fastattn.apply_rope_cache(x, cache)
+    wide = fastattn.rope_cache(np.arange(4, dtype=np.int32), n_dims=32, mode=NEOX)
+    buf = np.ones((4, 2, 24), np.float32)
+    return [lambda: fastattn.apply_rope_cache(x[:3], cache),
+            lambda: fastattn.apply_rope_cache(x, wide),
+            lambda: fastattn.apply_rope_cache(buf[..., :16], cache, out=buf[..., 8:]),
+            lambda: fastattn.apply_rope_cache(x, cache, out=np.ones((4, 2, 8), np.float32)),
+            lambda: fastattn.apply_rope_cache(x.astype(np.float64), cache)], [x, buf]
+
+
 def _rope_fused_bad():
     n = 2 * CACHE_BLOCK
     kwargs = dict(n_dims=16, mode=NEOX, freq_base=500000.0)
@@ -274,6 +301,7 @@ ROUTE_CASES = {
     "set_rows.rows": (set_rows_rows(), _set_rows_bad),
     "rope.cached": (rope_cached(), _rope_cached_bad),
     "rope.fused": (rope_fused(), _rope_fused_bad),
+    "rope.cached_prefill": (rope_cached_prefill(), _rope_cached_prefill_bad),
     "attention.decode": (attention_decode(), _attention_decode_bad),
 }
 
@@ -305,7 +333,7 @@ def test_route_gives_the_general_paths_bytes_from_its_first_call(name, data):
 @pytest.mark.parametrize("name", sorted(ROUTE_CASES))
 def test_route_declines_bad_calls_with_the_general_paths_error(name):
     """At sizes the route takes (parallel kernels from 0 bytes, for the prefill route)."""
-    with parallel_min_bytes(0 if name == "rope.fused" else _threads.PARALLEL_MIN_BYTES):
+    with parallel_min_bytes(0 if name in ("rope.fused", "rope.cached_prefill") else _threads.PARALLEL_MIN_BYTES):
         bad_calls, watched = ROUTE_CASES[name][1]()  # after its valid calls: the route holds entry points
         assert ROUTES[name].entries
         before = [a.tobytes() for a in watched]
