@@ -8,17 +8,23 @@ each row's read).
 
 The KV range is walked in blocks of ``ROWS`` rows (a block of K and V stays in L1 while every head uses it):
 
-1. mask terms ``slope_h * mask[.., h % Hm, i, j]`` go into the score scratch (without a mask the logits are
-   written straight in, and the row lists of steps 2 and 4 are all rows);
+1. mask terms ``slope_h * mask[.., h % Hm, i, j]`` go into the score scratch, ``-inf`` wherever the mask is
+   ``-inf`` (a hidden key, whatever the slope); without a mask the logits are written straight in, and the row
+   lists of steps 2 and 4 are all rows;
 2. scores: the group's heads in register blocks of 4 (the rest one by one) against pairs of K rows: one pass over
    two rows feeds 8 dot products, float16/bfloat16 widened on the fly with ``to_f32``. Rows whose mask is ``-inf``
-   for every head of the block are left out before any dot product is computed;
+   for every head of the block are left out before any dot product is computed; a hidden score stays ``-inf``
+   when the row is live for another head of the block, whatever the K row holds;
 3. per head: the block max, one rescale of ``S`` and ``A`` when the max grows, ``p = fast_exp(s - M)``;
 4. ``A += p v`` with the same head blocks, V rows by fours (each accumulator is loaded and stored once per
-   four rows), then pairs; rows whose ``p`` is 0 for every head of the block are left out.
+   four rows), then pairs; rows whose ``p`` is 0 for every head of the block are left out. With a per-head mask
+   a row some heads weigh 0 may be live for others: if its V row holds an inf or NaN it is added per head to the
+   heads that weigh it, and the block pass runs on a copy with it zeroed (``_sanitised_block``).
 
-A head whose scores in a block are all ``-inf`` contributes nothing (no ``exp(-inf - -inf)``). ``finalize`` folds
-in the sink logit and normalises; a row with nothing live (all masked, no sink) gives exact zeros.
+So a hidden K or V row is never read for the heads it is hidden from, and a NaN elsewhere propagates: the max
+skips NaN scores, so a NaN is carried by ``S`` (a block whose scores are all ``-inf`` or NaN adds its NaN to
+``S``). ``finalize`` folds in the sink logit and normalises; a row with nothing live (max ``-inf``, ``S`` 0, no
+sink) gives exact zeros.
 
 Memory layout: every array is read *flat* (``flat4``, inside the kernels): a 1-D C-contiguous view of the memory
 the strided array spans, plus the element offset of its first element and its element strides. A K/V cache
@@ -288,11 +294,13 @@ def _logit(dot, scale, softcap):
 
 @kernel(inline=True)
 def _score(sc, g, r, dot, scale, softcap, unmasked):
-    """sc[g, r] = its logit (unmasked) or mask term + logit."""
+    """sc[g, r] = its logit (unmasked) or mask term + logit; a hidden score (mask term -inf) stays -inf, whatever
+    the K row holds (a row hidden for one head of a register block may be live for another)."""
     if unmasked:
         sc[g, r] = _logit(dot, scale, softcap)
     else:
-        sc[g, r] += _logit(dot, scale, softcap)
+        x = sc[g, r]
+        sc[g, r] = x if x == NEG_INF else x + _logit(dot, scale, softcap)
 
 
 @kernel(inline=True)
@@ -314,6 +322,81 @@ def _live_rows(sc, g, width, n, every, dead, rows):
 
 
 @kernel(inline=True)
+def _row_finite(vf, o, n, vcs):
+    """Whether the n elements from flat offset o (column stride vcs) of vf are all finite."""
+    bad = False
+    u = np.uint64(o)
+    step = np.uint64(vcs)
+    for d in range(n):
+        x = to_f32(vf[u + np.uint64(d) if vcs == 1 else u + np.uint64(d) * step])
+        bad |= not abs(x) < np.float32(np.inf)  # a comparison: fast-math folds sums like acc + (x - x) to acc
+    return not bad
+
+
+@kernel(inline=True)
+def _mixed_nonfinite(p, g, width, r, vf, o, DV, vcs):
+    """Row r has weight 0 for some head g .. g+width (hidden for it under a per-head mask, or underflowed) and its
+    V row at flat offset o is not finite: adding it with the others would give that head 0 * NaN."""
+    for t in range(width):
+        if p[g + t, r] == 0.0:
+            return not _row_finite(vf, o, DV, vcs)
+    return False
+
+
+@kernel(inline=True)
+def _add_per_head(A, DV, p, g, width, r, vf, o, vcs):
+    """A[h] += p[h, r] V row (flat offset o) for the heads h = g .. g+width whose weight is not 0."""
+    for t in range(width):
+        if p[g + t, r] != 0.0:
+            _axpy1(A, (g + t) * DV, DV, p[g + t, r], vf, o, vcs)
+
+
+@kernel
+def _any_mixed_nonfinite(p, g, rows, n_live, vf, vb, vrs, vcs, DV):
+    """Whether a row of rows[:n_live] is ``_mixed_nonfinite`` for the head block g .. g+3."""
+    for x in range(n_live):
+        r = rows[x]
+        if _mixed_nonfinite(p, g, 4, r, vf, vb + r * vrs, DV, vcs):
+            return True
+    return False
+
+
+@kernel
+def _sanitised_block(A, DV, p, g, rows, n_live, n, vf, vb, vrs, vcs):
+    """The block's n V rows copied (row r at r * DV), each ``_mixed_nonfinite`` row zeroed after it was added per
+    head to the heads of g .. g+3 that weigh it. The head block's usual V pass then runs on the copy: the same
+    arithmetic, bit for bit, as with those rows finite for the heads that do not weigh them."""
+    copy = np.empty(n * DV, vf.dtype)
+    for r in range(n):
+        for d in range(DV):
+            copy[r * DV + d] = vf[vb + r * vrs + d * vcs]
+    for x in range(n_live):
+        r = rows[x]
+        if _mixed_nonfinite(p, g, 4, r, vf, vb + r * vrs, DV, vcs):
+            _add_per_head(A, DV, p, g, 4, r, vf, vb + r * vrs, vcs)
+            for d in range(DV):
+                copy[r * DV + d] = 0  # +0.0 in every kernel dtype
+    return copy
+
+
+@kernel
+def _drop_mixed_nonfinite(A, DV, p, rows, n_live, vf, vb, vrs, vcs):
+    """``stream_rows``: add each ``_mixed_nonfinite`` row of rows[:n_live] (over all heads of p) per head and drop
+    it from the list; returns the new count. The others are added one FMA per row, so dropping a row some head
+    weighs 0 leaves that head's sums bit for bit as they were."""
+    G = p.shape[0]
+    kept = 0
+    for x in range(n_live):
+        r = rows[x]
+        if _mixed_nonfinite(p, 0, G, r, vf, vb + r * vrs, DV, vcs):
+            _add_per_head(A, DV, p, 0, G, r, vf, vb + r * vrs, vcs)
+        else:
+            rows[kept] = r
+            kept += 1
+    return kept
+
+
+@kernel(inline=True)
 def _mask_terms(sc, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb):
     """sc[g, :n] = slope * mask of head h0 + g over the block's columns jb .. jb+n (nothing without a mask)."""
     if mf is not None:
@@ -322,7 +405,8 @@ def _mask_terms(sc, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb):
             start = mbase + (h % Hm) * mhs + jb * mcs
             slope = slopes[h]
             for r in range(n):
-                sc[g, r] = slope * to_f32(mf[start + r * mcs])
+                x = to_f32(mf[start + r * mcs])
+                sc[g, r] = NEG_INF if x == NEG_INF else slope * x  # hidden, even for a slope of 0
 
 
 @kernel(inline=True)
@@ -335,8 +419,14 @@ def _block_weights(sc, n, M, S, A):
         for r in range(n):
             block_max = max(block_max, sc[g, r])
         if block_max == NEG_INF:
+            # nothing live, or only NaN scores (max skips NaN): a NaN stays as its weight, so S turns NaN
+            total = np.float32(0.0)
             for r in range(n):
-                sc[g, r] = 0.0
+                x = sc[g, r]
+                p = np.float32(0.0) if x == NEG_INF else x
+                sc[g, r] = p
+                total += p
+            S[g] += total
             continue
         if block_max > M[g]:
             factor = fast_exp(M[g] - block_max)  # 0 while M is still -inf
@@ -380,6 +470,8 @@ def group_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs
         return
     G = qs.shape[0]
     DV = A.shape[0] // G
+    # a per-head mask can hide a row from some heads of a register block and not others ("mixed" rows)
+    per_head = mf is not None and Hm > 1
     # software prefetch of rows adjacent in memory (column stride 1) PREFETCH_K / _V bytes ahead
     k_step = 64 // kf.itemsize
     v_step = 64 // vf.itemsize
@@ -440,6 +532,15 @@ def group_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs
         while g < G:
             width = 4 if G - g >= 4 else 1
             n_live = _live_rows(sc, g, width, n, mf is None, np.float32(0.0), rows)
+            src = vf  # the V rows: vf, or a copy of the block without non-finite rows some head weighs 0
+            sb = vbase + jb * vrs
+            srs = vrs
+            scs = vcs
+            if width == 4 and per_head and _any_mixed_nonfinite(sc, g, rows, n_live, vf, sb, vrs, vcs, DV):
+                src = _sanitised_block(A, DV, sc, g, rows, n_live, n, vf, sb, vrs, vcs)
+                sb = 0
+                srs = DV
+                scs = 1
             if width == 4:
                 x = 0
                 while x + 3 < n_live:
@@ -447,22 +548,21 @@ def group_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mcs
                     r2 = rows[x + 1]
                     r3 = rows[x + 2]
                     r4 = rows[x + 3]
-                    _axpy4x4(A, g * DV, DV, sc, g, r1, r2, r3, r4, vf, vbase + (jb + r1) * vrs,
-                             vbase + (jb + r2) * vrs, vbase + (jb + r3) * vrs, vbase + (jb + r4) * vrs, vcs)
+                    _axpy4x4(A, g * DV, DV, sc, g, r1, r2, r3, r4, src, sb + r1 * srs, sb + r2 * srs,
+                             sb + r3 * srs, sb + r4 * srs, scs)
                     x += 4
                 while x + 1 < n_live:
                     r1 = rows[x]
                     r2 = rows[x + 1]
-                    _axpy4x2(A, g * DV, DV, sc, g, r1, r2, vf, vbase + (jb + r1) * vrs, vbase + (jb + r2) * vrs,
-                             vcs)
+                    _axpy4x2(A, g * DV, DV, sc, g, r1, r2, src, sb + r1 * srs, sb + r2 * srs, scs)
                     x += 2
                 if x < n_live:
                     r1 = rows[x]
-                    _axpy4(A, g * DV, DV, sc, g, r1, vf, vbase + (jb + r1) * vrs, vcs)
+                    _axpy4(A, g * DV, DV, sc, g, r1, src, sb + r1 * srs, scs)
             else:
                 for x in range(n_live):
                     r1 = rows[x]
-                    _axpy1(A, g * DV, DV, sc[g, r1], vf, vbase + (jb + r1) * vrs, vcs)
+                    _axpy1(A, g * DV, DV, sc[g, r1], src, sb + r1 * srs, scs)
             g += width
 
 
@@ -602,6 +702,7 @@ def stream_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mc
     G = qs.shape[0]
     DV = A.shape[0] // G
     unmasked = mf is None
+    per_head = mf is not None and Hm > 1  # mixed rows possible (see group_rows)
     # the caller's scratch (sc, rows) and a second pair, swapped after every block
     cur = sc  # scores, then weights, of the block being scored
     prev = np.empty((G, ROWS), np.float32)  # weights of the block whose V rows are being added
@@ -646,19 +747,28 @@ def stream_rows(qs, kf, kbase, krs, kcs, vf, vbase, vrs, vcs, mf, mbase, mhs, mc
                     _values_of_row(A, DV, prev, r, vf, vbase + (prev_jb + r) * vrs, vcs)
         _block_weights(cur, n, M, S, A)
         n_prev = _live_rows(cur, 0, G, n, unmasked, np.float32(0.0), cur_rows)
+        if per_head:
+            n_prev = _drop_mixed_nonfinite(A, DV, cur, cur_rows, n_prev, vf, vbase + jb * vrs, vrs, vcs)
         cur, prev = prev, cur
         cur_rows, prev_rows = prev_rows, cur_rows
         prev_jb = jb
+
+
+@kernel(inline=True)
+def _max_nan(a, b):
+    """max(a, b), NaN when either is NaN (Python's max keeps the first argument when the second is NaN)."""
+    return a if (a > b or a != a) else b
 
 
 @kernel
 def finalize(m, s, A, a0, DV, sink, of, obase, ocs):
     """out = A[a0:a0+DV] / (s + exp(sink - m)), both terms rescaled to max(m, sink); zeros when nothing is live.
 
-    The DV outputs go to flat offsets ``obase + d * ocs`` of ``of``.
+    The DV outputs go to flat offsets ``obase + d * ocs`` of ``of``. A NaN score leaves s NaN (``m`` may still be
+    -inf) and a NaN sink makes the max NaN: both give NaN outputs.
     """
-    top = max(m, sink)
-    if top == NEG_INF:
+    top = _max_nan(sink, m)
+    if top == NEG_INF and s == 0.0:
         for d in range(DV):
             of[obase + d * ocs] = 0.0
         return

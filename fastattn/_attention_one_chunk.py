@@ -21,6 +21,8 @@ from ._attention_group import (ROWS, element_strides, finalize, flat4, flat_mask
 from ._dispatch import aligned, meta, overlaps, unit_rows
 from ._kernel import assume_contiguous, call_any_layout, fetch_add, kernel, use_threads
 
+#: The largest |scale| accepted (``_args.attention``): the fast path declines the rest, the general path raises.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 #: Query rows per work unit: enough units to balance two threads at small Nq, few enough to amortise the scratch.
 ROW_CHUNK = 4
 
@@ -123,14 +125,15 @@ def decode_fast(q, k, v, out, slopes, sinks, scale, auto_splittable, min_nkv, mi
     k/v kernel views, no mask, softcap or ALiBi, slopes all ones and sinks -inf (Hq,). Returns False, having
     written nothing, unless the shapes are valid (no empty axis, DK matching, v like k, Hkv | Hq, Bk | B, out
     (B, 1, Hq, DV)), ``auto`` would take one_chunk (``auto_splittable``: auto and K, V of one split_kv storage
-    type), scale is finite, every array is aligned to its element size and out overlaps none of q, k, v."""
+    type), scale is within float32's range, every array is aligned to its element size and out overlaps none of
+    q, k, v."""
     B, Hq, Nq, DK = q.shape
     Bk, Hkv, Nkv, DKk = k.shape
     DV = v.shape[3]
     if (Nq != 1 or B < 1 or Hq < 1 or DK < 1 or Bk < 1 or Hkv < 1 or Nkv < 1 or DV < 1 or DKk != DK
             or v.shape[0] != Bk or v.shape[1] != Hkv or v.shape[2] != Nkv or Hq % Hkv != 0 or B % Bk != 0
             or out.shape != (B, 1, Hq, DV) or slopes.shape[0] != Hq or sinks.shape[0] != Hq
-            or not np.isfinite(scale)):
+            or not abs(scale) <= FLOAT32_MAX):
         return False
     if auto_splittable and splits_decode(B, Nq, Hkv, Nkv, True, n_threads, min_nkv, min_units_per_thread):
         return False

@@ -124,12 +124,13 @@ def _fold(Mp, Sp, Ap, sinks, out, bh):
     s = np.float32(0.0)
     for c in range(n_chunks):
         mc = Mp[b, kvh, c, g]
-        if mc == NEG_INF:
-            continue  # nothing live in this chunk
+        sc = Sp[b, kvh, c, g]
+        if mc == NEG_INF and sc == 0.0:
+            continue  # nothing live in this chunk (a NaN score leaves M -inf but S NaN: folded in, NaN out)
         top = max(m, mc)
         old = fast_exp(m - top)  # 0 while m is -inf
         new = fast_exp(mc - top)
-        s = s * old + Sp[b, kvh, c, g] * new
+        s = s * old + sc * new
         part = Ap[b, kvh, c, g * DV:(g + 1) * DV]  # a view from 0: ``part[g * DV + d]`` did not vectorise
         for d in range(DV):
             acc[d] = acc[d] * old + part[d] * new

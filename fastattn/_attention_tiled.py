@@ -12,7 +12,9 @@ Work is cut into tasks (batch b, KV head g, block of query heads, Q tile). A tas
         for each live head, over the live KV rows lo .. hi only:
             Sᵀ = K_tile · Q_hᵀ                      6 x 16 register-blocked block product
             s  = scale·S, softcap·tanh(s/softcap), + slope·mask        (the reference's order)
+                 (-inf where the mask is -inf, whatever K holds or the slope is: a hidden key is not read)
             M' = max(M, max_j s);  P = exp(s - M');  L = L·exp(M - M') + Σ P;  O = O·exp(M - M') + P·V
+                 (a V tile with an inf or NaN row, under a mask block that adds: P·V without its zero weights)
     sinks join L at the end; out = O / L, or 0 for a row whose every score (and sink) is -inf.
 
 Layout of a thread slot's float32 scratch (C-contiguous; cols = heads·Q_TILE, head after head):
@@ -55,6 +57,12 @@ KV_TILE = 64
 #: task's Q, S and O scratch out of L2.
 HEADS_PER_TASK = 4
 
+#: The score product sums the head dimension in runs of this many terms, each in fresh accumulators, then adds
+#: the runs. One FMA chain over all of DK had up to 2.6x the max score error of NumPy's float32 matmul at D 576
+#: (0.54-0.69x in runs of 128); up to D 192 it had the matmul's error (OpenBLAS's sgemm sums in the same order).
+#: Runs of 32 or 64 were more exact at D 128 but made prefill 2-5% slower.
+SCORE_CHUNK = 128
+
 BLOCK_ROWS = 6  # register block of the products: 6 rows x 16 columns = 12 ymm accumulators
 BLOCK_COLS = 16
 assert Q_TILE % BLOCK_ROWS == 0 and Q_TILE % BLOCK_COLS == 0, "a Q tile is whole register blocks both ways"
@@ -64,6 +72,7 @@ assert Q_TILE % BLOCK_ROWS == 0 and Q_TILE % BLOCK_COLS == 0, "a Q tile is whole
 BYTES_PER_FLOP = 0.25
 
 _NEG_INF = np.float32(-np.inf)
+_INF = np.float32(np.inf)
 
 
 def _check_scratch(*arrays):
@@ -72,12 +81,13 @@ def _check_scratch(*arrays):
             raise TypingError("block product: every array must be a C-contiguous float32 array")
 
 
-def _block_codegen(a_transposed: bool, scaled_accumulate: bool):
+def _block_codegen(a_transposed: bool, scaled_accumulate: bool, k_chunk: int = 0):
     """LLVM IR for one 6 x 16 block of C = A B (or C = alpha·C + A B), B row-major.
 
     A[r, kk] is a[i + r, kk] (row-major) or, with ``a_transposed``, a[kk, i + r]; B[kk, col] is b[kk, j + col];
     C[r, col] is c[i + r, j + col]; kk runs over 0 .. kdim. With ``scaled_accumulate`` the block of C is loaded,
-    multiplied by alpha[i + r] and accumulated into. Every array is a C-contiguous float32 scratch array.
+    multiplied by alpha[i + r] and accumulated into. With ``k_chunk`` each run of k_chunk values of kk is summed
+    in fresh accumulators, then added to the block's totals. Every array is a C-contiguous float32 scratch array.
     """
     n_arrays = 4 if scaled_accumulate else 3
 
@@ -116,7 +126,22 @@ def _block_codegen(a_transposed: bool, scaled_accumulate: bool):
                 out.extend(builder.call(fma, [x, bv[v], acc[2 * r + v]]) for v in range(2))
             return out
 
-        for acc, ptr in zip(loop(builder, const(0), k, const(1), start, step), c_ptrs):
+        if k_chunk:
+            # the first run straight into the totals (all of kk when kdim <= k_chunk: one FMA chain, as without
+            # runs), each later run in fresh accumulators, then added
+            first = builder.select(builder.icmp_signed("<", const(k_chunk), k), const(k_chunk), k)
+            result = loop(builder, const(0), first, const(1), start, step)
+
+            def chunk(k0, totals):
+                k1 = builder.add(k0, const(k_chunk))
+                k1 = builder.select(builder.icmp_signed("<", k1, k), k1, k)
+                partial = loop(builder, k0, k1, const(1), [ir.Constant(V8, [0.0] * 8)] * len(totals), step)
+                return [builder.fadd(t, x) for t, x in zip(totals, partial)]
+
+            result = loop(builder, first, k, const(k_chunk), result, chunk)
+        else:
+            result = loop(builder, const(0), k, const(1), start, step)
+        for acc, ptr in zip(result, c_ptrs):
             builder.store(acc, ptr, align=4)
         return context.get_dummy_value()
 
@@ -125,9 +150,10 @@ def _block_codegen(a_transposed: bool, scaled_accumulate: bool):
 
 @intrinsic
 def _block_scores(typingctx, ks, qt, st, i, j, kdim):
-    """st[i:i+6, j:j+16] = ks[i:i+6, :kdim] @ qt[:kdim, j:j+16]"""
+    """st[i:i+6, j:j+16] = ks[i:i+6, :kdim] @ qt[:kdim, j:j+16], in runs of SCORE_CHUNK values of kdim"""
     _check_scratch(ks, qt, st)
-    return types.none(ks, qt, st, i, j, kdim), _block_codegen(a_transposed=False, scaled_accumulate=False)
+    return types.none(ks, qt, st, i, j, kdim), _block_codegen(a_transposed=False, scaled_accumulate=False,
+                                                              k_chunk=SCORE_CHUNK)
 
 
 @intrinsic
@@ -137,16 +163,55 @@ def _block_values(typingctx, st, vs, o, alpha, i, j, kdim):
     return types.none(st, vs, o, alpha, i, j, kdim), _block_codegen(a_transposed=True, scaled_accumulate=True)
 
 
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """a·b + c rounded once (``llvm.fma``: the FMA of the block products)."""
+    if not (a == types.float32 and b == types.float32 and c == types.float32):
+        raise TypingError("_fma: expected float32 arguments")
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.fma.f32", (), ir.FunctionType(f32, [f32, f32, f32]))
+        return builder.call(fn, list(args))
+
+    return types.float32(a, b, c), codegen
+
+
 @kernel
 def _widen_row(src, dst):
-    """dst[:n] = float32(src) for a row of any layout; contiguous rows take the vectorised loop."""
+    """dst[:n] = float32(src) for a row of any layout; contiguous rows take the vectorised loop. Returns whether
+    the row holds an inf or NaN (a comparison: fast-math folds sums like acc + (x - x) to acc)."""
+    bad = False
     if src.strides[0] == src.itemsize:
         contiguous = assume_contiguous(src)
         for d in range(src.shape[0]):
-            dst[d] = to_f32(contiguous[d])
+            x = to_f32(contiguous[d])
+            dst[d] = x
+            bad |= not abs(x) < _INF
     else:
         for d in range(src.shape[0]):
-            dst[d] = to_f32(src[d])
+            x = to_f32(src[d])
+            dst[d] = x
+            bad |= not abs(x) < _INF
+    return bad
+
+
+@kernel
+def _values_skipping_zeros(st, vs, o, alpha, c0, c1, lo, hi):
+    """``_block_values`` for columns c0 .. c1 of a head over KV rows lo .. hi, column by column, leaving out every
+    (row, column) whose weight is 0: the same FMAs in the same order, minus those that add 0·v. For V tiles with
+    a non-finite row, where that 0 may be a hidden key's weight and v NaN."""
+    for c in range(c0, c1):
+        a = alpha[c]
+        oc = o[c]
+        for d in range(oc.shape[0]):
+            oc[d] = oc[d] * a
+        for jj in range(lo, hi):
+            p = st[jj, c]
+            if p != 0.0:
+                row = vs[jj]
+                for d in range(oc.shape[0]):
+                    oc[d] = _fma(p, row[d], oc[d])
 
 
 MASK_SKIP, MASK_ZERO, MASK_ADD = 0, 1, 2  # a mask block: all -inf / all 0 / anything else
@@ -247,12 +312,8 @@ def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, soft
         for hh in range(n_heads):
             h = h_first + hh
             info = kinds[hh]
-            if has_mask:
+            if has_mask:  # a -inf entry hides its key whatever the slope (0 when ALiBi's underflows)
                 info[:] = blocks[bm, h % mask.shape[1], q_tile, kv_tile]
-                if not slopes[h] > 0.0:  # slope·(-inf) is -inf only for a positive slope: use every row
-                    info[0] = MASK_ADD
-                    info[1] = 0
-                    info[2] = nk
             else:
                 info[0] = MASK_ZERO
                 info[1] = 0
@@ -261,10 +322,12 @@ def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, soft
         if not any_live:
             continue
 
-        # Widen the K and V tiles once for every head of the task.
+        # Widen the K and V tiles once for every head of the task; note a non-finite V row.
+        v_finite = True
         for jj in range(nk):
             _widen_row(k_plane[j0 + jj], ks[jj])
-            _widen_row(v_plane[j0 + jj], vs[jj])
+            if _widen_row(v_plane[j0 + jj], vs[jj]):
+                v_finite = False
 
         loaded_plane = -1  # the mask plane whose block is in mt (one for every head when the mask has one head)
         for hh in range(n_heads):
@@ -296,12 +359,14 @@ def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, soft
                     m_row = mt[jj]
                     if softcap != 0.0:
                         for c in range(Q_TILE):
-                            x = row[c] + slope * m_row[c]
+                            mc = m_row[c]
+                            x = _NEG_INF if mc == _NEG_INF else row[c] + slope * mc  # hidden: K not read
                             row[c] = x
                             t_max[c] = max(t_max[c], x)
                     else:
                         for c in range(Q_TILE):
-                            x = row[c] * scale + slope * m_row[c]
+                            mc = m_row[c]
+                            x = _NEG_INF if mc == _NEG_INF else row[c] * scale + slope * mc
                             row[c] = x
                             t_max[c] = max(t_max[c], x)
                 elif softcap == 0.0:
@@ -325,6 +390,9 @@ def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, soft
                     p = fast_exp(row[c] - t_max[c])
                     row[c] = p
                     l_h[c] += p
+            if kind == MASK_ADD and not v_finite:  # hidden keys weigh 0: keep them off a NaN V row
+                _values_skipping_zeros(st, vs, o, alpha, c0, c0 + row_blocks * BLOCK_ROWS, lo, hi)
+                continue
             st_live = st[lo:]
             vs_live = vs[lo:]
             for rb in range(row_blocks):
@@ -340,7 +408,7 @@ def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, soft
             acc = o[c]
             if has_sinks:
                 sink = sinks[h]
-                m_all = max(m_row, sink)
+                m_all = sink if (sink > m_row or sink != sink) else m_row  # a NaN sink: NaN out
                 if m_all != _NEG_INF:
                     shrink = fast_exp(m_row - m_all)
                     for d in range(DV):
@@ -348,7 +416,9 @@ def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, soft
                     l_row = l_row * shrink + fast_exp(sink - m_all)
                 m_row = m_all
             dst = out[b, i0 + ii, h]
-            if m_row == _NEG_INF:  # every score and the sink masked: zeros, as the reference
+            # every score and the sink masked: zeros, as the reference (a NaN score, skipped by the max, left
+            # l NaN: NaN out)
+            if m_row == _NEG_INF and l_row == 0.0:
                 for d in range(DV):
                     dst[d] = 0.0
             else:

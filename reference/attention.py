@@ -8,7 +8,10 @@ For query batch b, query head h, query row i (GQA: KV head h // (Hq // Hkv); KV 
     M     = max(max_j s_j, sink_h)                   sink_h = -inf without sinks
     out_i = sum_j exp(s_j - M) v_j / (sum_j exp(s_j - M) + exp(sink_h - M))
 
-A row whose scores are all -inf gives zeros. The result is laid out (B, Nq, Hq, DV), ggml's permuted output.
+Key j is hidden from query row i of head h when its mask entry is exactly -inf (whatever the slope): then s_j is
+-inf and neither k_j nor v_j is read, so a NaN there (an unwritten cache cell) cannot matter. A NaN anywhere else
+(q, a key or value row that is not hidden, the mask, a sink) propagates to the outputs it reaches. A row whose
+scores are all -inf (and no sink) gives zeros. The result is laid out (B, Nq, Hq, DV), ggml's permuted output.
 """
 from __future__ import annotations
 
@@ -35,23 +38,28 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     Bk, Hkv = k.shape[:2]
     slopes = args_attention.alibi_slopes(Hq, a.max_bias)
     result = np.zeros(a.out_shape, FLOAT64)
-    for b in range(B):
-        for h in range(Hq):
-            kb, kh = b // (B // Bk), h // (Hq // Hkv)
-            keys = k[kb, kh].astype(FLOAT64)
-            values = v[kb, kh].astype(FLOAT64)
-            scores = a.scale * (q[b, h].astype(FLOAT64) @ keys.T)  # (Nq, Nkv)
-            if a.logit_softcap != 0.0:
-                scores = a.logit_softcap * np.tanh(scores / a.logit_softcap)
-            if a.mask is not None:
-                m = a.mask[b % a.mask.shape[0], h % a.mask.shape[1], :Nq].astype(FLOAT64)
-                scores = scores + slopes[h] * m
-            sink = -np.inf if a.sinks is None else float(a.sinks[h])
-            row_max = np.maximum(scores.max(axis=1), sink)
-            live = row_max > -np.inf  # fully masked rows stay zero
-            weights = np.exp(scores[live] - row_max[live, None])
-            denominator = weights.sum(axis=1) + np.exp(sink - row_max[live])
-            result[b, live, h] = (weights @ values) / denominator[:, None]
+    with np.errstate(invalid="ignore"):  # NaN and inf inputs give NaN quietly, as in the kernels
+        for b in range(B):
+            for h in range(Hq):
+                kb, kh = b // (B // Bk), h // (Hq // Hkv)
+                keys = k[kb, kh].astype(FLOAT64)
+                values = v[kb, kh].astype(FLOAT64)
+                scores = a.scale * (q[b, h].astype(FLOAT64) @ keys.T)  # (Nq, Nkv)
+                if a.logit_softcap != 0.0:
+                    scores = a.logit_softcap * np.tanh(scores / a.logit_softcap)
+                seen = np.ones(scores.shape, bool)
+                if a.mask is not None:
+                    m = a.mask[b % a.mask.shape[0], h % a.mask.shape[1], :Nq].astype(FLOAT64)
+                    seen = m != -np.inf
+                    scores = np.where(seen, scores + slopes[h] * m, -np.inf)
+                sink = -np.inf if a.sinks is None else float(a.sinks[h])
+                for i in range(Nq):
+                    top = np.max(np.append(scores[i], sink))  # NaN when a score or the sink is NaN
+                    if top == -np.inf:
+                        continue  # every score masked, no sink: zeros
+                    weights = np.exp(scores[i, seen[i]] - top)
+                    denominator = weights.sum() + np.exp(sink - top)
+                    result[b, i, h] = (weights @ values[seen[i]]) / denominator
     if out is None:
         return result.astype(np.float32)
     out[...] = result

@@ -1,8 +1,8 @@
-"""Attention test inputs and the naive float32 evaluation the SPEC's error rule compares against.
+"""Attention test inputs and the naive float32 evaluation the contract's error rule compares against.
 
 Shared by the attention tests: ``naive_f32`` is the formula of ``reference/attention.py`` evaluated plainly in
-float32 NumPy (the "straightforward float32 evaluation" of tests/rules.py), and ``make_mask`` builds the masks the
-SPEC lists: causal, random -inf blocks (as ggml's test-backend-ops: uniform values in [-1, 1] with masked KV
+float32 NumPy (the "straightforward float32 evaluation" of ``fastattn.testing``), and ``make_mask`` builds the masks the
+contract lists: causal, random -inf blocks (as ggml's test-backend-ops: uniform values in [-1, 1] with masked KV
 blocks), fully masked rows and fully masked tiles.
 """
 from __future__ import annotations
@@ -54,7 +54,9 @@ def make_mask(rng: np.random.Generator, kind: str, shape, *, tile: tuple[int, in
 
 
 def naive_f32(q, k, v, mask, *, scale, max_bias=0.0, logit_softcap=0.0, sinks=None) -> np.ndarray:
-    """The reference's formula evaluated straightforwardly in float32 (B, Nq, Hq, DV)."""
+    """The reference's formula evaluated straightforwardly in float32 (B, Nq, Hq, DV), with its rule for non-finite
+    values: a key whose mask entry is -inf is not read (its score is -inf, its V row left out), NaN elsewhere
+    propagates."""
     f32 = np.float32
     B, Hq, Nq, _ = q.shape
     Bk, Hkv = k.shape[:2]
@@ -69,12 +71,20 @@ def naive_f32(q, k, v, mask, *, scale, max_bias=0.0, logit_softcap=0.0, sinks=No
                 scores = (q[b, h].astype(f32) @ k[kb, kh].astype(f32).T) * f32(scale)
                 if logit_softcap != 0.0:
                     scores = f32(logit_softcap) * np.tanh(scores / f32(logit_softcap))
+                seen = np.ones(scores.shape, bool)
                 if mask is not None:
-                    scores = scores + slopes[h] * mask[b % mask.shape[0], h % mask.shape[1], :Nq].astype(f32)
+                    m = mask[b % mask.shape[0], h % mask.shape[1], :Nq].astype(f32)
+                    seen = m != -np.inf
+                    scores = np.where(seen, scores + slopes[h] * m, f32(-np.inf))
                 sink = f32(-np.inf) if sinks is None else f32(sinks[h])
-                row_max = np.maximum(scores.max(axis=1), sink)
-                live = row_max > -np.inf
+                row_max = np.maximum(scores.max(axis=1), sink)  # NaN stays NaN
+                live = row_max != -np.inf
                 weights = np.exp(scores[live] - row_max[live, None])
                 denominator = weights.sum(axis=1) + np.exp(sink - row_max[live])
-                result[b, live, h] = (weights @ v[kb, kh].astype(f32)) / denominator[:, None]
+                values = v[kb, kh].astype(f32)
+                if np.isfinite(values).all():
+                    result[b, live, h] = (weights @ values) / denominator[:, None]
+                else:  # a hidden key weighs 0, and 0 * NaN is NaN: leave hidden keys out row by row
+                    for x, i in enumerate(np.flatnonzero(live)):
+                        result[b, i, h] = (weights[x, seen[i]] @ values[seen[i]]) / denominator[x]
     return result

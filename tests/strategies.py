@@ -36,7 +36,7 @@ float_dtypes = st.sampled_from(STORAGE_FLOATS)
 f32_or_f16 = st.sampled_from((FLOAT32, FLOAT16))
 thread_counts = st.sampled_from((1, 2))
 seeds = st.integers(0, 2**32 - 1)
-#: eps as the SPEC asks: 0 to 10, with the usual model values likely.
+#: eps as the contract asks: 0 to 10, with the usual model values likely.
 eps_values = st.one_of(st.sampled_from((0.0, 1e-6, 1e-5)), st.floats(0.0, 10.0, allow_nan=False))
 
 

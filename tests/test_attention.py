@@ -1,6 +1,6 @@
 """flash_attn_ext: every path (one_chunk, split_kv, tiled, auto) against the float64 reference.
 
-The SPEC's rule: max |fast - reference| <= 2 x max |naive float32 - reference| + a small floor, where the naive
+The contract's rule: max |fast - reference| <= 2 x max |naive float32 - reference| + a small floor, where the naive
 float32 evaluation is the formula written straight in float32 NumPy (``attention_cases.naive_f32``). Inputs are strided
 views with guard bands; ``out`` is checked to be written in full and nothing around it touched.
 """
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from rules import assert_within_rule
+from fastattn.testing import assert_within_rule
 from attention_cases import FLOOR, naive_f32
 from strategies import attention_masks, dims, fill, float_dtypes, strided, thread_counts
 
@@ -30,14 +30,14 @@ def logit_rounding_bound(q, k, v, scale) -> float:
     With logits near 1e3-1e4 the error of any float32 evaluation is dominated by the rounding of the logits
     themselves (a softmax weight moves by about the logit's absolute error); which of two float32 evaluations
     rounds luckier is then a coin toss (measured: fast/naive error ratios from 0.1 to 3.5 over seeds), so the
-    SPEC's 2x-naive rule alone is not a meaningful yardstick there and this first-order bound is added.
+    contract's 2x-naive rule alone is not a meaningful yardstick there and this first-order bound is added.
     """
     logits = scale * np.abs(q.astype(np.float64)).sum(axis=-1).max() * np.abs(k.astype(np.float64)).max()
     return 4.0 * float(np.spacing(np.float32(logits))) * float(np.abs(v.astype(np.float64)).max())
 
 
 def check(q, k, v, mask=None, *, path, threads=1, out=None, what="", big_logits=False, **params):
-    """Run ``path`` and assert the SPEC's rule (plus ``logit_rounding_bound`` for huge logits)."""
+    """Run ``path`` and assert the contract's rule (plus ``logit_rounding_bound`` for huge logits)."""
     with fastattn.num_threads(threads):
         fast = fastattn.flash_attn_ext(q, k, v, mask, path=path, out=out, **params)
     if out is not None:
@@ -336,97 +336,3 @@ def test_against_torch_sdpa():
     for path in ("one_chunk", "tiled", "auto"):
         got = fastattn.flash_attn_ext(q, k, v, mask, scale=0.3, path=path)
         assert np.abs(got - want).max() < 1e-5
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The decode fast path (fastattn.attention._fast_decode, fastattn/_dispatch.py): one_chunk decode calls without
-# mask, sinks, ALiBi or softcap go straight to a compiled entry point once the general path has recorded their
-# K/V dtypes. It must give the general path's bytes, and decline everything else before writing.
-_attention_module = fastattn.attention
-_FAST_DECODE_DTYPES = [(np.float32, np.float32), (np.float16, np.float16), (np.float32, np.float16)]
-
-
-def _refuse(*args, **kwargs):
-    raise AssertionError("the general path ran")
-
-
-@given(data=st.data(), dtypes=st.sampled_from(_FAST_DECODE_DTYPES), B=st.sampled_from((1, 2)),
-       Hkv=st.sampled_from((1, 2, 4)), ratio=st.sampled_from((1, 2, 4)), Nkv=st.one_of(st.sampled_from((1, 600)),
-                                                                                       dims(1, 80)),
-       heads=st.sampled_from(((64, 64), (40, 72), (128, 128))), path=st.sampled_from(("auto", "one_chunk")),
-       with_out=st.booleans(), threads=thread_counts)
-def test_decode_fast_path_gives_the_general_paths_bytes(data, dtypes, B, Hkv, ratio, Nkv, heads, path, with_out,
-                                                        threads):
-    k_dtype, v_dtype = dtypes
-    DK, DV = heads
-    Hq = Hkv * ratio
-    q = data.draw(strided((B, Hq, 1, DK), np.float32))
-    k = data.draw(strided((B, Hkv, Nkv, DK), k_dtype))
-    v = data.draw(strided((B, Hkv, Nkv, DV), v_dtype))
-    out = data.draw(strided((B, 1, Hq, DV), np.float32)) if with_out else None
-    general_out = None if out is None else out.array.copy()
-    scale = 1.0 / np.sqrt(DK)
-    saved = _threads.PARALLEL_MIN_BYTES
-    _threads.PARALLEL_MIN_BYTES = 0 if threads > 1 else saved  # the parallel kernel for the small shapes
-    try:
-        with fastattn.num_threads(threads):
-            with pytest.MonkeyPatch.context() as mp:  # the general path, which records the dtypes
-                mp.setattr(_attention_module._fast_decode, "get", lambda key: None)
-                expected = fastattn.flash_attn_ext(q.array, k.array, v.array, scale=scale, path=path,
-                                                   out=general_out)
-            taken = path == "one_chunk" or choose_path(B, 1, Hkv, Nkv, k.array.dtype, v.array.dtype,
-                                                       threads) == "one_chunk"
-            with pytest.MonkeyPatch.context() as mp:
-                if taken:
-                    mp.setattr(_attention_module._args, "parse", _refuse)
-                got = fastattn.flash_attn_ext(q.array, k.array, v.array, scale=scale, path=path,
-                                              out=None if out is None else out.array)
-    finally:
-        _threads.PARALLEL_MIN_BYTES = saved
-    if out is not None:
-        assert got is out.array
-        out.assert_outside_unchanged()
-    assert got.shape == (B, 1, Hq, DV) and got.tobytes() == expected.tobytes()
-    for view in (q, k, v):
-        view.assert_all_unchanged()
-
-
-def test_decode_fast_path_declines_bad_calls():
-    """Once the dtypes are recorded, every bad decode call still raises the general path's message, out
-    untouched; calls with a mask, sinks, ALiBi or softcap, or that auto sends to split_kv, give the general
-    path's results."""
-    rng = np.random.default_rng(5)
-    q = rng.standard_normal((1, 4, 1, 8)).astype(np.float32)
-    k = rng.standard_normal((1, 2, 5, 8)).astype(np.float16)
-    v = rng.standard_normal((1, 2, 5, 8)).astype(np.float16)
-    fastattn.flash_attn_ext(q, k, v, scale=1.0)  # records (float16, float16)
-    assert _attention_module._fast_decode.get((k.dtype, v.dtype)) is not None
-    bad_calls = [
-        (dict(k=k[..., :4]), ValueError, "head size DK"),
-        (dict(q=q[:, :3]), ValueError, "must divide q heads"),
-        (dict(v=v[:, :, :4]), ValueError, "v must match k"),
-        (dict(out=np.zeros((1, 1, 4, 9), np.float32)), ValueError, "out must have shape"),
-        (dict(scale=float("nan")), ValueError, "scale must be finite"),
-        (dict(q=q.astype(np.float16)), TypeError, "q must have dtype"),
-        (dict(k=np.zeros((1, 2, 0, 8), np.float16), v=np.zeros((1, 2, 0, 8), np.float16)), ValueError, "no empty"),
-    ]
-    for changes, error, match in bad_calls:
-        call = {**dict(q=q, k=k, v=v, scale=1.0, out=np.full((1, 1, 4, 8), 7.0, np.float32)), **changes}
-        out = call["out"]
-        before = out.copy()
-        with pytest.raises(error, match=match):
-            fastattn.flash_attn_ext(call.pop("q"), call.pop("k"), call.pop("v"), **call)
-        assert np.array_equal(out, before), match
-    shared = np.zeros((1, 4, 1, 16), np.float32)
-    shared[..., :8] = q
-    with pytest.raises(ValueError, match="out must not overlap q"):  # out interleaved with q in one buffer
-        fastattn.flash_attn_ext(shared[..., :8], k, v, scale=1.0, out=shared[..., 8:].transpose(0, 2, 1, 3))
-    assert np.array_equal(shared[..., :8], q) and not shared[..., 8:].any()
-    mask = np.zeros((1, 5), np.float32)
-    mask[0, 2] = -np.inf
-    sinks = np.ones(4, np.float32)
-    for kwargs in (dict(mask=mask), dict(sinks=sinks), dict(logit_softcap=5.0), dict(mask=mask, max_bias=8.0)):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(_attention_module._fast_decode, "get", lambda key: None)
-            expected = fastattn.flash_attn_ext(q, k, v, scale=1.0, **kwargs)
-        assert fastattn.flash_attn_ext(q, k, v, scale=1.0, **kwargs).tobytes() == expected.tobytes()

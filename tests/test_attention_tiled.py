@@ -1,4 +1,4 @@
-"""The tiled attention path (``run_tiled``) against the float64 reference, under the SPEC's error rule.
+"""The tiled attention path (``run_tiled``) against the float64 reference, under the contract's error rule.
 
 Shapes straddle the tile sizes (Nq around Q_TILE, Nkv around KV_TILE and 1), head sizes include 40, 72, 80,
 192/128 and 576/512, GQA ratios 1..8 and MQA, K/V batch broadcast, float32/float16/bfloat16 K/V, strided views
@@ -23,7 +23,7 @@ from fastattn._args.attention import alibi_slopes
 from fastattn._kernel import KERNEL_OPTIONS, kernel_view
 from fastattn._validate import FLOAT16, FLOAT32
 from fastattn.reference import flash_attn_ext
-from rules import assert_within_rule
+from fastattn.testing import assert_within_rule
 from strategies import float_dtypes, seeds, strided, thread_counts
 
 QT, KT = tiled.Q_TILE, tiled.KV_TILE
@@ -226,6 +226,32 @@ def test_concurrent_python_callers():
     assert not errors, errors
     for (_, _, _, _, expected), got in zip(jobs, results):
         assert np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("D", [40, 128, 576])
+def test_scores_at_huge_logits_within_the_rule(D):
+    """The score product (``_block_scores``: a K tile times the Q tile transposed) at logits up to about +-1e4:
+    its max error against float64 is at most twice that of a float32 matmul (the rule, applied to the scores:
+    end to end, at such logits which of two float32 roundings of a near tie wins is a coin toss). One FMA chain
+    over all of D failed this at D 576 (up to 2.6x); the product sums D in runs of SCORE_CHUNK."""
+    def scores(ks, qt, st_):
+        for i in range(0, ks.shape[0], tiled.BLOCK_ROWS):
+            for j in range(0, qt.shape[1], tiled.BLOCK_COLS):
+                tiled._block_scores(ks, qt, st_, i, j, ks.shape[1])
+
+    product = numba.njit(**dict(KERNEL_OPTIONS, cache=False))(scores)
+    n_kv = -(-KT // tiled.BLOCK_ROWS) * tiled.BLOCK_ROWS
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        q = rng.standard_normal((QT, D)).astype(np.float32)
+        k = rng.standard_normal((n_kv, D)).astype(np.float32)
+        scale = np.float32(2500 / np.sqrt(D))  # logits of standard deviation 2500
+        exact = (k.astype(np.float64) @ q.astype(np.float64).T) * float(scale)
+        got = np.zeros((n_kv, QT), np.float32)
+        product(k, np.ascontiguousarray(q.T), got)
+        naive = (q @ k.T).T * scale
+        err, naive_err = np.abs(got * scale - exact).max(), np.abs(naive - exact).max()
+        assert err <= 2 * naive_err, f"seed {seed}: error {err:.3g} > 2 x float32 matmul's {naive_err:.3g}"
 
 
 def test_block_products_compile_to_ymm_fmas():

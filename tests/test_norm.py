@@ -1,4 +1,4 @@
-"""RMSNorm family: fast == reference by the SPEC's rule on every dtype, layout, weight shape and thread count."""
+"""RMSNorm family: fast == reference by the contract's rule on every dtype, layout, weight shape and thread count."""
 import re
 import sys
 

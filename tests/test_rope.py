@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from rules import assert_within_rule, max_abs_error, ulp_distance
+from fastattn.testing import assert_within_rule, max_abs_error, ulp_distance
 from strategies import StridedView, has_bf16, positions, rope_configs, strided
 
 import fastattn
@@ -35,7 +35,7 @@ def run_on(threads: int):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Comparison: the SPEC's rule against a straightforward float32 evaluation.
+# Comparison: the contract's rule against a straightforward float32 evaluation.
 def naive_f32(x: np.ndarray, pos: np.ndarray, kwargs: dict) -> np.ndarray:
     """The same formula in float32 NumPy: theta, cos/sin and the rotation all in float32."""
     params = rope_args.parse_params(**{**REF_DEFAULTS, **kwargs})
@@ -76,7 +76,7 @@ def _mscale(kwargs: dict) -> float:
 
 
 def assert_rope_close(fast: np.ndarray, reference64: np.ndarray, x: np.ndarray, pos, kwargs, what=""):
-    """float32: the SPEC's rule (2x the naive float32 error + a floor of a few float32 ulps of |x|·mscale).
+    """float32: the contract's rule (2x the naive float32 error + a floor of a few float32 ulps of |x|·mscale).
     float16: within 1 ulp of the correctly rounded value, except where the result cancels to below the float32
     computation's own error (there no float32 computation can promise 1 ulp): then within that floor."""
     floor = 4e-7 * (1 + float(np.max(np.abs(x.astype(np.float64)), initial=0))) * max(1.0, _mscale(kwargs))

@@ -9,6 +9,10 @@ import numpy as np
 from .. import _validate as v
 
 PATHS = ("auto", "one_chunk", "tiled", "split_kv")
+#: The kernels compute in float32: scalars beyond its range would turn into inf there (NaN or zero outputs).
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+#: The smallest positive logit_softcap: below it float32 rounds the cap to 0, which the kernels read as "off".
+SOFTCAP_MIN = float(np.finfo(np.float32).smallest_subnormal)
 
 
 class AttentionArgs(NamedTuple):
@@ -56,8 +60,15 @@ def parse(q, k, vv, mask, scale, max_bias, logit_softcap, sinks, path, out, *, o
             raise ValueError(f"mask's head axis must divide Hq = {Hq} and its batch axis B = {B}, "
                              f"got shape {mask.shape}")
     scale = v.real("scale", scale)
-    max_bias = v.real("max_bias", max_bias, minimum=0.0)
-    logit_softcap = v.real("logit_softcap", logit_softcap, minimum=0.0)
+    if not abs(scale) <= FLOAT32_MAX:
+        raise ValueError(f"scale must be in float32's range [-{FLOAT32_MAX}, {FLOAT32_MAX}], got {scale}")
+    max_bias = v.real("max_bias", max_bias)
+    if not 0.0 <= max_bias <= FLOAT32_MAX:
+        raise ValueError(f"max_bias must be in [0, {FLOAT32_MAX}], got {max_bias}")
+    logit_softcap = v.real("logit_softcap", logit_softcap)
+    if not (logit_softcap == 0.0 or SOFTCAP_MIN <= logit_softcap <= FLOAT32_MAX):
+        raise ValueError(f"logit_softcap must be 0 (off) or in [{SOFTCAP_MIN}, {FLOAT32_MAX}] (float32's range), "
+                         f"got {logit_softcap}")
     if sinks is not None:
         v.array("sinks", sinks, dtypes=(v.FLOAT32,), ndim=1)
         if sinks.shape[0] != Hq:
@@ -82,7 +93,13 @@ def alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
     if max_bias <= 0.0:
         return np.ones(n_head)
     n_head_log2 = 1 << int(math.floor(math.log2(n_head)))
-    m0 = 2.0 ** (-max_bias / n_head_log2)
+    m0 = 2.0 ** (-max_bias / n_head_log2)  # 0.0 for a large max_bias: slopes of 0 (a -inf mask still hides)
     m1 = 2.0 ** (-max_bias / 2.0 / n_head_log2)
     h = np.arange(n_head)
-    return np.where(h < n_head_log2, m0 ** (h + 1), m1 ** (2 * (h - n_head_log2) + 1))
+    low = h < n_head_log2
+    slopes = np.empty(n_head)
+    # each formula only on its own heads: the other's negative powers of m1 = 0 would divide by zero
+    with np.errstate(under="ignore"):
+        slopes[low] = m0 ** (h[low] + 1)
+        slopes[~low] = m1 ** (2 * (h[~low] - n_head_log2) + 1)
+    return slopes

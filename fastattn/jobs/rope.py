@@ -16,7 +16,7 @@ _FLOOR = 4e-7
 
 
 def _naive_f32_neox(x: np.ndarray, pos: np.ndarray, base: float) -> np.ndarray:
-    """NEOX in float32 NumPy, angles included: the baseline of the SPEC's rule."""
+    """NEOX in float32 NumPy, angles included: the baseline of the contract's rule."""
     d = x.shape[-1]
     inv_freq = (np.float32(base) ** (-np.arange(0, d, 2, dtype=np.float32) / np.float32(d))).astype(np.float32)
     theta = pos.astype(np.float32)[:, None] * inv_freq
