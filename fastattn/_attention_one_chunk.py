@@ -16,8 +16,10 @@ import numpy as np
 from numba import prange
 
 from . import _threads
-from ._attention_group import (ROWS, element_strides, finalize, flat4, flat_mask, group_rows,
-                               load_group_queries, no_sinks)
+from ._attention_group import group_rows, load_group_queries
+from ._attention_layout import element_strides, flat4, flat_mask, no_sinks
+from ._attention_rows import ROWS
+from ._attention_softmax import finalize
 from ._dispatch import aligned, meta, overlaps, unit_rows
 from ._kernel import assume_contiguous, call_any_layout, fetch_add, kernel, use_threads
 
@@ -61,8 +63,9 @@ def _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, u):
         M[:] = -np.inf
         S[:] = 0.0
         A[:] = 0.0
-        group_rows(qs, kf, kbase, kst[2], kst[3], vf, vbase, vst[2], vst[3], mf, mo + (b % Bm) * mst[0] + i * mst[2],
-                   mst[1], mst[3], Hm, slopes, h0, scale, softcap, 0, Nkv, M, S, A, sc, rows, Nq == 1)
+        group_rows(qs, (kf, kbase, kst[2], kst[3]), (vf, vbase, vst[2], vst[3]), mf,
+                   (mo + (b % Bm) * mst[0] + i * mst[2], mst[1], mst[3], Hm), slopes, h0, scale, softcap, 0, Nkv,
+                   (M, S, A), (sc, rows), Nq == 1)
         for g in range(G):
             finalize(M[g], S[g], A, g * DV, DV, sinks[h0 + g], of, oo + b * ost[0] + i * ost[1] + (h0 + g) * ost[2],
                      ost[3])

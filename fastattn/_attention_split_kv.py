@@ -13,9 +13,9 @@ Threads: one ``prange`` iteration per thread. The units are cut into one range o
 each thread takes the next unit of its own range from that range's atomic counter (``_kernel.fetch_add``), then
 helps the other ranges the same way, so a thread slowed down by another process simply runs fewer units. A
 thread's units are thus adjacent KV chunks of a head, one stream of rows for the hardware prefetchers and the
-loop's own K prefetch, which runs into the next chunk (twelfth session, one process alternating the two
-schedules, 2 threads, cold: Nkv 512 / 4096 / 16384 float32 took 0.92x / 0.95x / 0.87x the time of units
-taken from one shared counter, where consecutive units of a thread were chunks apart).
+loop's own K prefetch, which runs into the next chunk (2 threads, cold cache, one process alternating the two
+schedules: Nkv 512 / 4096 / 16384 float32 took 0.92x / 0.95x / 0.87x the time of units taken from one shared
+counter, where consecutive units of a thread were chunks apart).
 
 Chunk boundaries depend on Nkv only (``chunking``), never on the thread count, and each chunk and each fold runs
 the same code in a fixed order: the output is bit-identical for 1 and N threads (ggml's is not).
@@ -32,8 +32,10 @@ import numpy as np
 from numba import prange
 
 from . import _threads
-from ._attention_group import (ROWS, element_strides, finalize, flat4, flat_mask, group_rows,
-                               load_group_queries, no_sinks)
+from ._attention_group import group_rows, load_group_queries
+from ._attention_layout import element_strides, flat4, flat_mask, no_sinks
+from ._attention_rows import ROWS
+from ._attention_softmax import finalize
 from ._kernel import call_any_layout, fast_exp, fetch_add, kernel
 
 #: Rows per chunk aimed at. Each chunk costs a unit's setup, its partials and a fold step; measured on the
@@ -103,9 +105,9 @@ def _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, u):
     # buffer (units 2 KiB apart) ran 15-30% slower in interleaved runs, likely store/load address aliasing with
     # the V rows.
     A = np.zeros(Ap.shape[3], np.float32)
-    group_rows(qs, kf, ko + kb * kst[0] + kvh * kst[1], kst[2], kst[3], vf, vo + kb * vst[0] + kvh * vst[1], vst[2],
-               vst[3], mf, mo + (b % Bm) * mst[0], mst[1], mst[3], Hm, slopes, h0, scale, softcap, c * rows,
-               min(Nkv, (c + 1) * rows), M, S, A, sc, live, True)
+    group_rows(qs, (kf, ko + kb * kst[0] + kvh * kst[1], kst[2], kst[3]),
+               (vf, vo + kb * vst[0] + kvh * vst[1], vst[2], vst[3]), mf, (mo + (b % Bm) * mst[0], mst[1], mst[3], Hm),
+               slopes, h0, scale, softcap, c * rows, min(Nkv, (c + 1) * rows), (M, S, A), (sc, live), True)
     Ap[b, kvh, c] = A
 
 

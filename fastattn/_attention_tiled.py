@@ -27,10 +27,9 @@ Layout of a thread slot's float32 scratch (C-contiguous; cols = heads·Q_TILE, h
     o   (cols, DV↑16)         unnormalised output rows;  m, l, alpha, tile_max (cols,): softmax state
 
 Both products are C[6, 16] (+)= A[6, :k] B[:k, 16] with B row-major (``_block_scores``: ks · qt;
-``_block_values``: stᵀ · vs, with O's rescale by alpha folded into the load of C). They are intrinsics that keep
-the 6 x 16 block of C in twelve ymm registers for the whole k loop and issue twelve 8-wide FMAs per step against
-two B loads and six broadcasts, as sgemm kernels do. Numba's own loops cannot hold vector accumulators across an
-outer loop, and BLAS (``np.dot``) called from every prange thread contends for OpenBLAS's own thread pool.
+``_block_values``: stᵀ · vs, with O's rescale by alpha folded into the load of C), register-blocked intrinsics in
+``_attention_tiled_products``. Numba's own loops cannot hold vector accumulators across an outer loop, and BLAS
+(``np.dot``) called from every prange thread contends for OpenBLAS's own thread pool.
 
 Threads: one prange iteration per thread slot, each slot owning its scratch; the slots take tasks one at a time
 from a shared atomic counter, heaviest first (under a causal mask the last Q tiles see the most keys). A task's
@@ -40,14 +39,11 @@ docs/attention_tiled.md has the measurements.
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import prange, types
-from numba.core.errors import TypingError
-from numba.extending import intrinsic
+from numba import prange
 
 from . import _threads
+from ._attention_tiled_products import BLOCK_COLS, BLOCK_ROWS, _block_scores, _block_values, _values_skipping_zeros
 from ._kernel import assume_contiguous, call_any_layout, fast_exp, fetch_add, kernel, to_f32
-from ._simd import V8, as_int64, const, loop, splat
 
 #: Query rows of one head per tile (a multiple of both register-block dimensions, 6 and 16).
 Q_TILE = 48
@@ -57,14 +53,6 @@ KV_TILE = 64
 #: task's Q, S and O scratch out of L2.
 HEADS_PER_TASK = 4
 
-#: The score product sums the head dimension in runs of this many terms, each in fresh accumulators, then adds
-#: the runs. One FMA chain over all of DK had up to 2.6x the max score error of NumPy's float32 matmul at D 576
-#: (0.54-0.69x in runs of 128); up to D 192 it had the matmul's error (OpenBLAS's sgemm sums in the same order).
-#: Runs of 32 or 64 were more exact at D 128 but made prefill 2-5% slower.
-SCORE_CHUNK = 128
-
-BLOCK_ROWS = 6  # register block of the products: 6 rows x 16 columns = 12 ymm accumulators
-BLOCK_COLS = 16
 assert Q_TILE % BLOCK_ROWS == 0 and Q_TILE % BLOCK_COLS == 0, "a Q tile is whole register blocks both ways"
 
 #: Work estimate for ``threads_for``: prefill is compute-bound, so FLOPs count as bytes at the ratio of this
@@ -73,108 +61,6 @@ BYTES_PER_FLOP = 0.25
 
 _NEG_INF = np.float32(-np.inf)
 _INF = np.float32(np.inf)
-
-
-def _check_scratch(*arrays):
-    for arr in arrays:
-        if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and arr.layout == "C"):
-            raise TypingError("block product: every array must be a C-contiguous float32 array")
-
-
-def _block_codegen(a_transposed: bool, scaled_accumulate: bool, k_chunk: int = 0):
-    """LLVM IR for one 6 x 16 block of C = A B (or C = alpha·C + A B), B row-major.
-
-    A[r, kk] is a[i + r, kk] (row-major) or, with ``a_transposed``, a[kk, i + r]; B[kk, col] is b[kk, j + col];
-    C[r, col] is c[i + r, j + col]; kk runs over 0 .. kdim. With ``scaled_accumulate`` the block of C is loaded,
-    multiplied by alpha[i + r] and accumulated into. With ``k_chunk`` each run of k_chunk values of kk is summed
-    in fresh accumulators, then added to the block's totals. Every array is a C-contiguous float32 scratch array.
-    """
-    n_arrays = 4 if scaled_accumulate else 3
-
-    def codegen(context, builder, signature, llargs):
-        arrs = [context.make_array(t)(context, builder, v)
-                for t, v in zip(signature.args[:n_arrays], llargs[:n_arrays])]
-        row0, col0, k = (as_int64(context, builder, v, t)
-                         for v, t in zip(llargs[n_arrays:], signature.args[n_arrays:]))
-        a, b, c = arrs[:3]
-        lda, ldb, ldc = (builder.extract_value(arr.shape, 1) for arr in (a, b, c))
-        v8p = V8.as_pointer()
-        rows = [builder.add(row0, const(r)) for r in range(BLOCK_ROWS)]
-        if a_transposed:
-            a_rows = [builder.gep(a.data, [r]) for r in rows]
-        else:
-            a_rows = [builder.gep(a.data, [builder.mul(r, lda)]) for r in rows]
-        c_ptrs = [builder.bitcast(builder.gep(c.data, [builder.add(builder.mul(r, ldc),
-                                                                    builder.add(col0, const(8 * v)))]), v8p)
-                  for r in rows for v in range(2)]  # C[r, 8v : 8v+8] at 2r + v
-        if scaled_accumulate:
-            start = []
-            for r in range(BLOCK_ROWS):
-                scale = splat(builder, builder.load(builder.gep(arrs[3].data, [rows[r]]), align=4))
-                start.extend(builder.fmul(builder.load(p, align=4), scale) for p in c_ptrs[2 * r:2 * r + 2])
-        else:
-            start = [ir.Constant(V8, [0.0] * 8)] * (2 * BLOCK_ROWS)
-        fma = builder.module.declare_intrinsic("llvm.fma.v8f32", (), ir.FunctionType(V8, [V8, V8, V8]))
-
-        def step(kk, acc):
-            b_row = builder.gep(b.data, [builder.add(builder.mul(kk, ldb), col0)])
-            bv = [builder.load(builder.bitcast(builder.gep(b_row, [const(8 * v)]), v8p), align=4) for v in range(2)]
-            a_offset = builder.mul(kk, lda) if a_transposed else kk
-            out = []
-            for r in range(BLOCK_ROWS):
-                x = splat(builder, builder.load(builder.gep(a_rows[r], [a_offset]), align=4))
-                out.extend(builder.call(fma, [x, bv[v], acc[2 * r + v]]) for v in range(2))
-            return out
-
-        if k_chunk:
-            # the first run straight into the totals (all of kk when kdim <= k_chunk: one FMA chain, as without
-            # runs), each later run in fresh accumulators, then added
-            first = builder.select(builder.icmp_signed("<", const(k_chunk), k), const(k_chunk), k)
-            result = loop(builder, const(0), first, const(1), start, step)
-
-            def chunk(k0, totals):
-                k1 = builder.add(k0, const(k_chunk))
-                k1 = builder.select(builder.icmp_signed("<", k1, k), k1, k)
-                partial = loop(builder, k0, k1, const(1), [ir.Constant(V8, [0.0] * 8)] * len(totals), step)
-                return [builder.fadd(t, x) for t, x in zip(totals, partial)]
-
-            result = loop(builder, first, k, const(k_chunk), result, chunk)
-        else:
-            result = loop(builder, const(0), k, const(1), start, step)
-        for acc, ptr in zip(result, c_ptrs):
-            builder.store(acc, ptr, align=4)
-        return context.get_dummy_value()
-
-    return codegen
-
-
-@intrinsic
-def _block_scores(typingctx, ks, qt, st, i, j, kdim):
-    """st[i:i+6, j:j+16] = ks[i:i+6, :kdim] @ qt[:kdim, j:j+16], in runs of SCORE_CHUNK values of kdim"""
-    _check_scratch(ks, qt, st)
-    return types.none(ks, qt, st, i, j, kdim), _block_codegen(a_transposed=False, scaled_accumulate=False,
-                                                              k_chunk=SCORE_CHUNK)
-
-
-@intrinsic
-def _block_values(typingctx, st, vs, o, alpha, i, j, kdim):
-    """o[i:i+6, j:j+16] = alpha[i:i+6, None] * o[i:i+6, j:j+16] + st[:kdim, i:i+6].T @ vs[:kdim, j:j+16]"""
-    _check_scratch(st, vs, o, alpha)
-    return types.none(st, vs, o, alpha, i, j, kdim), _block_codegen(a_transposed=True, scaled_accumulate=True)
-
-
-@intrinsic
-def _fma(typingctx, a, b, c):
-    """a·b + c rounded once (``llvm.fma``: the FMA of the block products)."""
-    if not (a == types.float32 and b == types.float32 and c == types.float32):
-        raise TypingError("_fma: expected float32 arguments")
-
-    def codegen(context, builder, signature, args):
-        f32 = ir.FloatType()
-        fn = builder.module.declare_intrinsic("llvm.fma.f32", (), ir.FunctionType(f32, [f32, f32, f32]))
-        return builder.call(fn, list(args))
-
-    return types.float32(a, b, c), codegen
 
 
 @kernel
@@ -194,24 +80,6 @@ def _widen_row(src, dst):
             dst[d] = x
             bad |= not abs(x) < _INF
     return bad
-
-
-@kernel
-def _values_skipping_zeros(st, vs, o, alpha, c0, c1, lo, hi):
-    """``_block_values`` for columns c0 .. c1 of a head over KV rows lo .. hi, column by column, leaving out every
-    (row, column) whose weight is 0: the same FMAs in the same order, minus those that add 0·v. For V tiles with
-    a non-finite row, where that 0 may be a hidden key's weight and v NaN."""
-    for c in range(c0, c1):
-        a = alpha[c]
-        oc = o[c]
-        for d in range(oc.shape[0]):
-            oc[d] = oc[d] * a
-        for jj in range(lo, hi):
-            p = st[jj, c]
-            if p != 0.0:
-                row = vs[jj]
-                for d in range(oc.shape[0]):
-                    oc[d] = _fma(p, row[d], oc[d])
 
 
 MASK_SKIP, MASK_ZERO, MASK_ADD = 0, 1, 2  # a mask block: all -inf / all 0 / anything else

@@ -28,7 +28,7 @@ from numba import types
 
 from . import _threads
 from ._args import attention as _args
-from ._attention_group import no_sinks
+from ._attention_layout import no_sinks
 from ._attention_one_chunk import decode_fast, run_one_chunk, splits_decode
 from ._attention_split_kv import run_split_kv
 from ._attention_tiled import Q_TILE, run_tiled
