@@ -37,7 +37,7 @@ import numpy as np
 from ._attention_nonfinite import _any_mixed_nonfinite, _sanitised_block
 from ._attention_rows import ROWS, _axpy1, _axpy4, _axpy4x2, _axpy4x4, _dot1, _dot4, _dot4x2, _prefetch_row
 from ._attention_softmax import NEG_INF, _block_weights, _live_rows, _mask_terms, _score
-from ._attention_stream import stream_rows
+from ._attention_stream import stream_if_float32
 from ._kernel import kernel
 
 #: Software prefetch distances: K rows this many bytes ahead of the rows being scored, V rows this many (at
@@ -73,8 +73,8 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
     mbase, mhs, mcs, Hm = mask_at
     M, S, A = state
     sc, rows = scratch
-    if streaming and kf.itemsize == 4 and vf.itemsize == 4:
-        stream_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch)
+    if streaming and stream_if_float32(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state,
+                                       scratch):
         return
     G = qs.shape[0]
     DV = A.shape[0] // G

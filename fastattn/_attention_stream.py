@@ -10,7 +10,7 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core.errors import TypingError
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from ._attention_nonfinite import _drop_mixed_nonfinite
 from ._attention_rows import ROWS, _axpy1, _axpy4, _dot1, _dot4, _prefetch_row
@@ -210,3 +210,21 @@ def stream_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0,
         cur, prev = prev, cur
         cur_rows, prev_rows = prev_rows, cur_rows
         prev_jb = jb
+
+
+def stream_if_float32(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch):
+    """Run ``stream_rows`` and return True when K and V are float32; else return False. Chosen while typing, so
+    float16/bfloat16 callers never compile ``stream_rows`` (seconds of a first decode call)."""
+    raise NotImplementedError("compiled code only")
+
+
+@overload(stream_if_float32, inline="always")
+def _stream_if_float32(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch):
+    if k_rows.types[0].dtype == types.float32 and v_rows.types[0].dtype == types.float32:
+        def run(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch):
+            stream_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch)
+            return True
+    else:
+        def run(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch):
+            return False
+    return run
