@@ -26,15 +26,9 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import ArrayLike
 
-try:
-    import ml_dtypes as _ml_dtypes
-
-    _BFLOAT16: np.dtype | None = np.dtype(_ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - only without ml_dtypes
-    _BFLOAT16 = None
-
-_FLOAT16 = np.dtype(np.float16)
-_FLOAT32 = np.dtype(np.float32)
+from ._validate import BFLOAT16 as _BFLOAT16
+from ._validate import FLOAT16 as _FLOAT16
+from ._validate import FLOAT32 as _FLOAT32
 
 __all__ = ["RuleCheck", "UlpCheck", "max_abs_error", "abs_errors", "ulp_distance", "within_rule",
            "assert_within_rule", "within_half_1ulp", "assert_half_within_1ulp", "routes", "general_only",
