@@ -22,9 +22,8 @@ from ._attention_rows import ROWS
 from ._attention_softmax import finalize
 from ._dispatch import aligned, meta, overlaps, unit_rows
 from ._kernel import assume_contiguous, call_any_layout, fetch_add, kernel, use_threads
+from ._validate import FLOAT32_MAX  # the largest |scale|: the fast path declines the rest, the general path raises
 
-#: The largest |scale| accepted (``_args.attention``): the fast path declines the rest, the general path raises.
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 #: Query rows per work unit: enough units to balance two threads at small Nq, few enough to amortise the scratch.
 ROW_CHUNK = 4
 

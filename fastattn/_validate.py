@@ -21,6 +21,8 @@ except ImportError:  # pragma: no cover - only without ml_dtypes
 FLOAT32 = np.dtype(np.float32)
 FLOAT16 = np.dtype(np.float16)
 FLOAT64 = np.dtype(np.float64)
+#: The largest finite float32: scalars the kernels use in float32 must stay within it.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 #: float32, float16 and (when ml_dtypes is installed) bfloat16.
 STORAGE_FLOATS: tuple[np.dtype, ...] = (FLOAT32, FLOAT16) + ((BFLOAT16,) if BFLOAT16 is not None else ())
 INDEX_INTS = (np.dtype(np.int32), np.dtype(np.int64))

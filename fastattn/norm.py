@@ -33,10 +33,10 @@ from . import _layout, _threads
 from ._args import norm as _args
 from ._dispatch import Route, array_type, meta, overlaps, same_view, unit_rows
 from ._kernel import assume_contiguous, from_f32, kernel, kernel_view, to_f32
+from ._validate import FLOAT32_MAX
 
 _ND = np.ndarray
 _MAX_EPS = float(np.finfo(np.float64).max)
-_MAX_F32 = float(np.finfo(np.float32).max)
 
 
 @kernel
@@ -61,7 +61,7 @@ def _norm_vec(xr, wr, yr, eps):
         v = np.float64(to_f32(xr[j]))
         total += v * v
     inverse = 1.0 / np.sqrt(total / d + eps)
-    if inverse > _MAX_F32:  # a row of float32 subnormals: its float32 scale would overflow, scale in float64
+    if inverse > FLOAT32_MAX:  # a row of float32 subnormals: its float32 scale would overflow, scale in float64
         _norm_vec_wide(xr, wr, yr, inverse)
         return
     scale = np.float32(inverse)

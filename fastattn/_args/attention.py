@@ -10,7 +10,7 @@ from .. import _validate as v
 
 PATHS = ("auto", "one_chunk", "tiled", "split_kv")
 #: The kernels compute in float32: scalars beyond its range would turn into inf there (NaN or zero outputs).
-FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_MAX = v.FLOAT32_MAX
 #: The smallest positive logit_softcap: below it float32 rounds the cap to 0, which the kernels read as "off".
 SOFTCAP_MIN = float(np.finfo(np.float32).smallest_subnormal)
 

@@ -21,7 +21,6 @@ X_DTYPES = (_validate.FLOAT32, _validate.FLOAT16)
 #: int32 is ggml's position type; int64 is accepted as long as the values fit in int32.
 POS_DTYPES = _validate.INDEX_INTS
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -164,9 +163,9 @@ def _parse_params(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, a
         if beta <= 0:
             raise ValueError(f"{name} must be > 0, got {beta}")
     mscale = attn_factor * (1.0 + 0.1 * math.log(1.0 / freq_scale) if ext_factor != 0 else 1.0)
-    if not abs(mscale) <= _FLOAT32_MAX:  # the kernels store cos and sin times mscale as float32
+    if not abs(mscale) <= _validate.FLOAT32_MAX:  # the kernels store cos and sin times mscale as float32
         raise ValueError(f"attn_factor must keep the magnitude scale within float32's range (|scale| <= "
-                         f"{_FLOAT32_MAX:.6g}), got attn_factor={attn_factor} (scale {mscale:.6g})")
+                         f"{_validate.FLOAT32_MAX:.6g}), got attn_factor={attn_factor} (scale {mscale:.6g})")
     if not isinstance(backward, (bool, np.bool_)):
         raise TypeError(f"backward must be a bool, got {type(backward).__name__}")
 
