@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 from ._modes import ROPE_IMROPE, ROPE_MROPE, ROPE_NEOX, ROPE_NORMAL, ROPE_VISION, RopeMode
-from . import _threads
+from . import _tensors, _threads
 from ._threads import get_num_threads, num_threads, set_num_threads
 
 __version__ = "0.1.0"
@@ -36,6 +36,7 @@ def __getattr__(name: str):
     value = getattr(importlib.import_module(module, __name__), name)
     if callable(value) and name != "rope_cache":  # rope_cache launches nothing that could run concurrently
         value = _threads.guard(value)
+    value = _tensors.accept_tensors(value)
     globals()[name] = value
     return value
 

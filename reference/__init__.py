@@ -4,11 +4,24 @@ Same names and signatures as ``fastattn``; results are rounded once at the end t
 returns (pass a float64 ``out=`` to get the unrounded values). Never imports Numba.
 """
 from fastattn._modes import ROPE_IMROPE, ROPE_MROPE, ROPE_NEOX, ROPE_NORMAL, ROPE_VISION, RopeMode
+from fastattn._tensors import accept_tensors
 
-from .attention import flash_attn_ext
-from .norm import add_rms_norm_mul, rms_norm, rms_norm_mul
-from .rope import apply_rope_cache, apply_rope_cache_set_rows, rope_cache, rope_ext, rope_set_rows
-from .rows import set_rows
+from . import attention as _attention
+from . import norm as _norm
+from . import rope as _rope
+from . import rows as _rows
+
+# CPU torch tensors are accepted wherever an ndarray is, as in ``fastattn`` (read without a copy)
+flash_attn_ext = accept_tensors(_attention.flash_attn_ext)
+rms_norm = accept_tensors(_norm.rms_norm)
+rms_norm_mul = accept_tensors(_norm.rms_norm_mul)
+add_rms_norm_mul = accept_tensors(_norm.add_rms_norm_mul)
+rope_cache = accept_tensors(_rope.rope_cache)
+apply_rope_cache = accept_tensors(_rope.apply_rope_cache)
+rope_ext = accept_tensors(_rope.rope_ext)
+rope_set_rows = accept_tensors(_rope.rope_set_rows)
+apply_rope_cache_set_rows = accept_tensors(_rope.apply_rope_cache_set_rows)
+set_rows = accept_tensors(_rows.set_rows)
 
 __all__ = [
     "ROPE_IMROPE", "ROPE_MROPE", "ROPE_NEOX", "ROPE_NORMAL", "ROPE_VISION", "RopeMode",

@@ -43,17 +43,22 @@ def parse(q, k, vv, mask, scale, max_bias, logit_softcap, sinks, path, out, *, o
     if vv.shape[:3] != k.shape[:3]:
         raise ValueError(f"v must match k in (batch, heads, rows) {k.shape[:3]}, got v.shape {vv.shape}")
     if Hq % Hkv:
-        raise ValueError(f"k heads ({Hkv}) must divide q heads ({Hq}) for GQA")
+        raise ValueError(f"k heads ({Hkv}) must divide q heads ({Hq}) for GQA{_token_major_hint(q, k)}")
     if B % Bk:
         raise ValueError(f"k batch ({Bk}) must divide q batch ({B})")
     if mask is not None:
+        if isinstance(mask, np.ndarray) and mask.dtype == np.bool_:
+            raise TypeError("mask must be additive (float32 or float16, -inf hides a key), got a boolean mask; "
+                            "torch's boolean mask (True takes part) is np.where(mask, 0, -np.inf)"
+                            ".astype(np.float32)")
         v.array("mask", mask, dtypes=(v.FLOAT32, v.FLOAT16))
         if not 2 <= mask.ndim <= 4:
             raise ValueError(f"mask must have 2 to 4 axes (..., Nq, Nkv), got shape {mask.shape}")
         mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape) if mask.ndim < 4 else mask
         Bm, Hm, Nm, Nkm = mask.shape
         if Nkm != Nkv:
-            raise ValueError(f"mask must have exactly Nkv = {Nkv} columns, got shape {mask.shape}")
+            raise ValueError(f"mask must have exactly Nkv = {Nkv} columns, got shape {mask.shape}"
+                             f"{_token_major_hint(q, k) if Nkm == k.shape[1] else ''}")
         if Nm < Nq:
             raise ValueError(f"mask must have at least Nq = {Nq} rows, got shape {mask.shape}")
         if Bm < 1 or Hm < 1 or Hq % Hm or B % Bm:
@@ -77,11 +82,24 @@ def parse(q, k, vv, mask, scale, max_bias, logit_softcap, sinks, path, out, *, o
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     out_shape = (B, Nq, Hq, DV)
     if out is not None:
+        if isinstance(out, np.ndarray) and out.shape == (B, Hq, Nq, DV) and Hq != Nq:
+            raise ValueError(f"out must have shape (B, Nq, Hq, DV) = {out_shape} (ggml's permuted output), got "
+                             f"{out.shape}, torch's (B, H, N, D) output layout; pass out.transpose(0, 2, 1, 3), "
+                             f"a view that writes the same array")
         v.out_array("out", out, shape=out_shape, dtypes=out_dtypes)
         for name, a in (("q", q), ("k", k), ("v", vv), ("mask", mask), ("sinks", sinks)):
             if a is not None and np.may_share_memory(out, a):
                 raise ValueError(f"out must not overlap {name}")
     return AttentionArgs(q, k, vv, mask, scale, max_bias, logit_softcap, sinks, path, out, out_shape)
+
+
+def _token_major_hint(q: np.ndarray, k: np.ndarray) -> str:
+    """A hint when q and k read as token-major (B, N, H, D) (flash-attn's, llama.cpp's) would be valid."""
+    if q.shape[2] % k.shape[2] == 0:
+        return (f"; q {q.shape} and k {k.shape} look token-major (B, N, H, D): flash_attn_ext takes "
+                f"(B, H, N, D), as torch's scaled_dot_product_attention and transformers do: pass "
+                f"q.transpose(0, 2, 1, 3) and the same for k, v (views, nothing is copied)")
+    return ""
 
 
 def alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:

@@ -1,0 +1,103 @@
+"""transformers decode with attn_implementation "fastattn", "sdpa" and "eager": time per generated token.
+
+A small Llama from a config (hidden 512, 8 query heads, 2 KV heads, head dim 64, 4 layers, float32, random
+weights), a ``StaticCache`` holding a context of 4096 or 16384 random K/V rows, then one token per call at the next
+position: the cost of a decode step at that context, with the cache written in place (a ``DynamicCache`` would add
+a copy of the whole cache per layer and token, the same for every implementation).
+
+``test_decode_per_token`` times each implementation alone; ``test_decode_per_token_paired`` runs one token with
+each implementation in every round, in an order that rotates, and records each one's median and the ratio
+sdpa / fastattn (``extra_info``): the separate benchmarks run a minute apart on a shared machine.
+
+Run: ``python -m pytest bench/bench_transformers.py --benchmark-columns=min,median,rounds
+--benchmark-group-by=group`` (needs torch and transformers: ``pip install torch==<a CPU build> transformers``).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from conftest import measure
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from fastattn.integrations import transformers as fa_hf  # noqa: E402
+
+CONTEXTS = [4096, 16384]
+IMPLEMENTATIONS = ["fastattn", "sdpa", "eager"]
+THREADS = 2
+ROUNDS = 15
+LAYERS, HEADS, KV_HEADS, HEAD_DIM = 4, 8, 2, 64
+
+
+def _model():
+    fa_hf.register()
+    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=HEADS * HEAD_DIM, intermediate_size=1536,
+                                      num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                      num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                      max_position_embeddings=32768)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+class Decoder:
+    """A model and a StaticCache filled to ``context`` rows; ``step()`` generates one token at the next position."""
+
+    def __init__(self, model, context: int, rounds: int):
+        self.model = model
+        self.cache = transformers.StaticCache(config=model.config, max_cache_len=context + rounds + 8)
+        generator = torch.Generator().manual_seed(context)
+        for layer in range(LAYERS):
+            k, v = (torch.randn(1, KV_HEADS, context, HEAD_DIM, generator=generator) for _ in range(2))
+            self.cache.update(k, v, layer)
+        self.position = context
+        self.token = torch.tensor([[5]])
+
+    def step(self, implementation: str) -> None:
+        self.model.set_attn_implementation(implementation)
+        with torch.inference_mode():
+            self.model(input_ids=self.token, past_key_values=self.cache, use_cache=True,
+                       cache_position=torch.tensor([self.position]))
+        self.position += 1
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _model()
+
+
+def _kv_bytes(context: int) -> int:
+    return LAYERS * 2 * KV_HEADS * context * HEAD_DIM * 4
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("context", CONTEXTS)
+def test_decode_per_token(benchmark, model, context, implementation):
+    decoder = Decoder(model, context, ROUNDS + 3)
+    measure(benchmark, lambda: decoder.step(implementation), group=f"transformers decode ctx {context}",
+            threads=THREADS, nbytes=_kv_bytes(context), rounds=ROUNDS)
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+def test_decode_per_token_paired(benchmark, model, context):
+    decoders = {name: Decoder(model, context, ROUNDS + 3) for name in IMPLEMENTATIONS}
+    times: dict[str, list[float]] = {name: [] for name in IMPLEMENTATIONS}
+    turn = [0]
+
+    def one_round():
+        order = IMPLEMENTATIONS[turn[0] % 3:] + IMPLEMENTATIONS[:turn[0] % 3]
+        turn[0] += 1
+        for name in order:
+            start = time.perf_counter()
+            decoders[name].step(name)
+            times[name].append(time.perf_counter() - start)
+
+    measure(benchmark, one_round, group=f"transformers decode ctx {context} paired", threads=THREADS,
+            rounds=ROUNDS)
+    medians = {name: float(np.median(t[1:])) for name, t in times.items()}  # t[0]: measure's warm-up call
+    for name, median in medians.items():
+        benchmark.extra_info[f"{name}_ms"] = round(median * 1e3, 3)
+    benchmark.extra_info["sdpa/fastattn"] = round(medians["sdpa"] / medians["fastattn"], 3)
+    benchmark.extra_info["eager/fastattn"] = round(medians["eager"] / medians["fastattn"], 3)

@@ -1,0 +1,130 @@
+"""Hugging Face transformers attention backend: every attention layer of a model on ``flash_attn_ext``.
+
+    import fastattn.integrations.transformers as fa_hf
+    fa_hf.register()                                   # once per process; name="fastattn" by default
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="fastattn")
+    # or: model.set_attn_implementation("fastattn")
+
+transformers calls ``attention_forward`` with query (B, Hq, Nq, D) and key/value (B, Hkv, Nkv, D) tensors,
+which is ``flash_attn_ext``'s own layout, and expects (B, Nq, Hq, D) back, which is ggml's permuted output: the
+tensors are read in place (no transpose, no copy of the KV cache) and the result is handed back without a copy.
+
+What transformers passes, and what becomes of it:
+- ``attention_mask``: the mask that ``attention_mask_for`` (registered under the same name) builds: additive
+  float32, 0 where a key takes part and ``-inf`` where it is hidden, (B, 1, Nq, Nkv), or None where no key is
+  hidden beyond causality (transformers' own test for SDPA: no padding, and Nq == 1 or Nq == Nkv, and no window
+  shorter than Nkv). Boolean masks (True takes part, as SDPA's) and additive masks from another builder (eager's
+  finite minimum) are taken too; a mask with more columns than Nkv is cut to Nkv.
+- None with ``Nq > 1`` on a causal module: causal with torch's ``is_causal`` alignment (key j is hidden from
+  query i when j > i). transformers only leaves the mask out when Nq == Nkv, where every alignment agrees.
+- ``scaling`` (default D**-0.5), ``softcap`` (Gemma 2's ``attn_logit_softcapping``), ``s_aux`` (GPT-OSS's sinks,
+  one logit per query head joining the softmax denominator): ``scale``, ``logit_softcap``, ``sinks``.
+- ``sliding_window``: already in the mask (transformers builds windowed masks for windowed layers).
+- GQA: key/value keep their Hkv heads; query head h reads KV head h // (Hq // Hkv), as transformers' repeat_kv.
+- float16/bfloat16 models: K and V are read as they are, the query is widened to float32 (flash_attn_ext's
+  query type) and the float32 output is rounded to the model's dtype.
+
+Refused with a ValueError, instead of computing something else: dropout > 0 (a model in training mode), tensors
+that require grad (fastattn has no backward), tensors on another device, ``output_attentions``, and
+``position_bias`` (T5-style learned biases).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import sys
+
+import numpy as np
+
+from .._tensors import as_array
+
+#: The name ``register`` uses by default.
+DEFAULT_NAME = "fastattn"
+_NEG_INF = np.float32(-np.inf)
+
+
+def register(name: str = DEFAULT_NAME) -> str:
+    """Register ``attention_forward`` with transformers' ``AttentionInterface`` and ``attention_mask_for`` with its
+    ``AttentionMaskInterface`` under ``name``, so that ``attn_implementation=name`` runs on fastattn; returns
+    ``name``. Registering again replaces the earlier entries."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, attention_mask_for)
+    return name
+
+
+def attention_mask_for(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
+                       mask_function=None, attention_mask=None, allow_is_causal_skip: bool = True, **kwargs):
+    """transformers' mask builder for fastattn: SDPA's boolean mask turned additive (0 / -inf float32,
+    (B, 1, Nq, Nkv)), or None where SDPA's builder would leave the mask out."""
+    import torch
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    kwargs.pop("dtype", None)  # the additive mask is float32 whatever the model's dtype: -inf is exact in it
+    mask = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function or causal_mask_function,
+                     attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+    if mask is None:
+        return None
+    return torch.where(mask, torch.zeros((), dtype=torch.float32, device=mask.device),
+                       torch.tensor(-math.inf, dtype=torch.float32, device=mask.device))
+
+
+@functools.lru_cache(maxsize=4)
+def _causal_mask(n_q: int, n_kv: int) -> np.ndarray:
+    """torch's ``is_causal`` mask (key j hidden from query i when j > i), additive float32, read-only."""
+    mask = np.triu(np.full((n_q, n_kv), _NEG_INF, np.float32), 1)
+    mask.flags.writeable = False
+    return mask
+
+
+def _mask_array(attention_mask, n_kv: int) -> np.ndarray:
+    torch = sys.modules["torch"]
+    if attention_mask.shape[-1] > n_kv:
+        attention_mask = attention_mask[..., :n_kv]
+    if attention_mask.dtype == torch.bool:
+        attention_mask = torch.where(attention_mask, torch.zeros((), dtype=torch.float32),
+                                     torch.tensor(-math.inf, dtype=torch.float32))
+    elif attention_mask.dtype not in (torch.float32, torch.float16):
+        attention_mask = attention_mask.to(torch.float32)
+    return as_array("attention_mask", attention_mask)
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                      softcap: float | None = None, s_aux=None, is_causal: bool | None = None, **kwargs):
+    """transformers' attention function: ``(attn_output (B, Nq, Hq, DV), None)`` from query (B, Hq, Nq, D),
+    key (B, Hkv, Nkv, D), value (B, Hkv, Nkv, DV) and the mask (see the module docstring)."""
+    import torch
+
+    from .. import flash_attn_ext
+
+    if dropout:
+        raise ValueError(f"fastattn attention has no dropout (got dropout={dropout}); put the model in eval mode "
+                         f"(model.eval()) or use another attn_implementation for training")
+    if kwargs.get("output_attentions"):
+        raise ValueError("fastattn attention does not return attention weights (output_attentions=True); use "
+                         "attn_implementation='eager' for them")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError("fastattn attention does not take a learned position_bias; use another "
+                         "attn_implementation for this model")
+    q = as_array("query", query if query.dtype == torch.float32 else query.to(torch.float32))
+    k = as_array("key", key)
+    v = as_array("value", value)
+    n_q, n_kv = q.shape[2], k.shape[2]
+    if attention_mask is not None:
+        mask = _mask_array(attention_mask, n_kv)
+    elif n_q > 1 and (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
+        mask = _causal_mask(n_q, n_kv)
+    else:
+        mask = None
+    sinks = None
+    if s_aux is not None:
+        sinks = as_array("s_aux", s_aux.detach().to(torch.float32))
+    scale = scaling if scaling is not None else q.shape[3] ** -0.5
+    out = flash_attn_ext(q, k, v, mask, scale=float(scale), logit_softcap=float(softcap or 0.0), sinks=sinks)
+    result = torch.from_numpy(out)
+    return (result if query.dtype == torch.float32 else result.to(query.dtype)), None
