@@ -6,7 +6,12 @@ Both paths reduce to the same piece of work: for one query row and one KV head, 
 once and serves the whole group (GQA reuse: decode attention is memory-bound, so the group's heads must share
 each row's read).
 
-The KV range is walked in blocks of ``ROWS`` rows (a block of K and V stays in L1 while every head uses it):
+The KV range is walked in blocks of ``ROWS`` rows (a block of K and V stays in L1 while every head uses it).
+Each block's mask entries are read once first (``_mask_block_kind``): a block whose mask is ``-inf`` for every
+head of the group (outside a sliding window, a padded batch entry's unused keys) is skipped, its K/V rows never
+read, and a block whose mask is all 0 is scored as if there were no mask, so a call costs what the mask lets
+through. Skipping changes nothing: a hidden block's scores are all ``-inf`` (no new max, weights 0), and adding a
+0 mask term leaves a logit as it is. The blocks then take four steps:
 
 1. mask terms ``slope_h * mask[.., h % Hm, i, j]`` go into the score scratch, ``-inf`` wherever the mask is
    ``-inf`` (a hidden key, whatever the slope); without a mask the logits are written straight in, and the row
@@ -36,7 +41,8 @@ import numpy as np
 
 from ._attention_nonfinite import _any_mixed_nonfinite, _sanitised_block
 from ._attention_rows import ROWS, _axpy1, _axpy4, _axpy4x2, _axpy4x4, _dot1, _dot4, _dot4x2, _prefetch_row
-from ._attention_softmax import NEG_INF, _block_weights, _live_rows, _mask_terms, _score
+from ._attention_softmax import (BLOCK_ADD, BLOCK_HIDDEN, NEG_INF, _block_weights, _live_rows, _mask_block_kind,
+                                 _mask_terms, _score)
 from ._attention_stream import stream_if_float32
 from ._kernel import kernel
 
@@ -89,13 +95,21 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
     v_ahead = max(ROWS, PREFETCH_V // (DV * vf.itemsize))
     for jb in range(j0, j1, ROWS):
         n = min(ROWS, j1 - jb)
-        # 1. mask terms (the scores start from them; without a mask the scores are assigned, not added)
-        _mask_terms(sc, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb)
+        # 0. the block's mask: hidden from every head (skipped, K/V not read), all 0 (no terms) or terms to add
+        terms = mf is not None
+        if mf is not None:
+            kind = _mask_block_kind(mf, mbase, mhs, mcs, Hm, h0, G, jb, n)
+            if kind == BLOCK_HIDDEN:
+                continue
+            terms = kind == BLOCK_ADD
+        # 1. mask terms (the scores start from them; without terms the scores are assigned, not added)
+        if terms:
+            _mask_terms(sc, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb)
         # 2. scores, the group's heads in register blocks against pairs of K rows
         g = 0
         while g < G:
             width = 4 if G - g >= 4 else 1
-            n_live = _live_rows(sc, g, width, n, mf is None, NEG_INF, rows)
+            n_live = _live_rows(sc, g, width, n, not terms, NEG_INF, rows)
             if width == 4:
                 x = 0
                 while x + 1 < n_live:
@@ -109,29 +123,29 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
                         _prefetch_row(vf, vbase + (jb + v_ahead + r2) * vrs, v_lines, v_step)
                     s0, s1, s2, s3, t0, t1, t2, t3 = _dot4x2(qs, g, kf, kbase + (jb + r1) * krs,
                                                              kbase + (jb + r2) * krs, kcs)
-                    _score(sc, g, r1, s0, scale, softcap, mf is None)
-                    _score(sc, g + 1, r1, s1, scale, softcap, mf is None)
-                    _score(sc, g + 2, r1, s2, scale, softcap, mf is None)
-                    _score(sc, g + 3, r1, s3, scale, softcap, mf is None)
-                    _score(sc, g, r2, t0, scale, softcap, mf is None)
-                    _score(sc, g + 1, r2, t1, scale, softcap, mf is None)
-                    _score(sc, g + 2, r2, t2, scale, softcap, mf is None)
-                    _score(sc, g + 3, r2, t3, scale, softcap, mf is None)
+                    _score(sc, g, r1, s0, scale, softcap, not terms)
+                    _score(sc, g + 1, r1, s1, scale, softcap, not terms)
+                    _score(sc, g + 2, r1, s2, scale, softcap, not terms)
+                    _score(sc, g + 3, r1, s3, scale, softcap, not terms)
+                    _score(sc, g, r2, t0, scale, softcap, not terms)
+                    _score(sc, g + 1, r2, t1, scale, softcap, not terms)
+                    _score(sc, g + 2, r2, t2, scale, softcap, not terms)
+                    _score(sc, g + 3, r2, t3, scale, softcap, not terms)
                     x += 2
                 if x < n_live:
                     r1 = rows[x]
                     s0, s1, s2, s3 = _dot4(qs, g, kf, kbase + (jb + r1) * krs, kcs)
-                    _score(sc, g, r1, s0, scale, softcap, mf is None)
-                    _score(sc, g + 1, r1, s1, scale, softcap, mf is None)
-                    _score(sc, g + 2, r1, s2, scale, softcap, mf is None)
-                    _score(sc, g + 3, r1, s3, scale, softcap, mf is None)
+                    _score(sc, g, r1, s0, scale, softcap, not terms)
+                    _score(sc, g + 1, r1, s1, scale, softcap, not terms)
+                    _score(sc, g + 2, r1, s2, scale, softcap, not terms)
+                    _score(sc, g + 3, r1, s3, scale, softcap, not terms)
             else:
                 for x in range(n_live):
                     r1 = rows[x]
                     if g == 0:
                         _prefetch_row(kf, kbase + (jb + k_ahead + r1) * krs, k_lines, k_step)
                         _prefetch_row(vf, vbase + (jb + v_ahead + r1) * vrs, v_lines, v_step)
-                    _score(sc, g, r1, _dot1(qs, g, kf, kbase + (jb + r1) * krs, kcs), scale, softcap, mf is None)
+                    _score(sc, g, r1, _dot1(qs, g, kf, kbase + (jb + r1) * krs, kcs), scale, softcap, not terms)
             g += width
         # 3. per head: rescale to the new max, turn scores into weights
         _block_weights(sc, n, M, S, A)

@@ -16,7 +16,12 @@ from numba import carray, types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
-from ._kernel import kernel
+from ._attention_rows import ROWS
+from ._kernel import call_any_layout, kernel, to_f32
+
+NEG_INF = np.float32(-np.inf)
+#: Mask entries ``mask_spans`` tests at a time before it looks entry by entry.
+SPAN_STEP = 64
 
 
 @intrinsic
@@ -58,6 +63,75 @@ def flat_mask(mask):
         return None, 0, (0, 0, 0, 0), 1, 1
     mf, mo, mst = flat4(mask)
     return mf, mo, mst, mask.shape[0], mask.shape[1]
+
+
+@kernel(inline=True)
+def _live_in(mf, start, cs, n):
+    """How many of the n mask entries from flat offset ``start`` (stride cs) are not -inf; no branch (vectorised)."""
+    live = 0
+    u = np.uint64(start)  # unsigned offsets: signed ones carry a negative-index wrap that stops vectorisation
+    if cs == 1:  # two loops: a select between the two addressings inside one loop does not vectorise
+        for r in range(n):
+            live += to_f32(mf[u + np.uint64(r)]) != NEG_INF
+    else:
+        for r in range(n):
+            live += to_f32(mf[start + r * cs]) != NEG_INF
+    return live
+
+
+@kernel
+def mask_spans(mask, n_q, spans):
+    """spans[bm, hm, i] = (lo, hi): row i of mask (bm, hm) is ``-inf`` outside columns [lo, hi) (lo == hi when
+    the whole row is). Scans in from each end, SPAN_STEP entries at a time, then entry by entry, so it costs the
+    hidden prefix and suffix (a sliding window, a padded batch entry) once per call, not once per KV head."""
+    mf, mo, mst = flat4(mask)
+    n_kv = mask.shape[3]
+    cs = mst[3]
+    for bm in range(mask.shape[0]):
+        for hm in range(mask.shape[1]):
+            for i in range(n_q):
+                base = mo + bm * mst[0] + hm * mst[1] + i * mst[2]
+                lo = 0
+                while lo + SPAN_STEP <= n_kv and _live_in(mf, base + lo * cs, cs, SPAN_STEP) == 0:
+                    lo += SPAN_STEP
+                while lo < n_kv and to_f32(mf[base + lo * cs]) == NEG_INF:
+                    lo += 1
+                hi = n_kv
+                while hi - SPAN_STEP >= lo and _live_in(mf, base + (hi - SPAN_STEP) * cs, cs, SPAN_STEP) == 0:
+                    hi -= SPAN_STEP
+                while hi > lo and to_f32(mf[base + (hi - 1) * cs]) == NEG_INF:
+                    hi -= 1
+                spans[bm, hm, i, 0] = lo
+                spans[bm, hm, i, 1] = hi
+
+
+@kernel
+def live_range(spans, mask, bm, h0, G, Hm, i, c0, c1):
+    """The part of KV rows [c0, c1) a group's walk needs for query row i: the blocks (on c0's grid of ROWS rows)
+    from the one holding the first column any of heads h0 .. h0+G sees to the one holding the last. The blocks left
+    out are hidden from every head, so leaving them out changes nothing (see ``_attention_group``)."""
+    if mask is None:
+        return c0, c1
+    lo = c1
+    hi = c0
+    for t in range(min(G, Hm)):
+        lo = min(lo, spans[bm, (h0 + t) % Hm, i, 0])
+        hi = max(hi, spans[bm, (h0 + t) % Hm, i, 1])
+    if lo >= hi or lo >= c1 or hi <= c0:
+        return c0, c0
+    start = c0 if lo <= c0 else c0 + ((lo - c0) // ROWS) * ROWS
+    # whole blocks of the grid: a block cut short would sum its weights in another order (reassociated)
+    end = min(c1, c0 + -(-(hi - c0) // ROWS) * ROWS)
+    return start, end
+
+
+def spans_of(mask, n_q: int) -> np.ndarray:
+    """``mask_spans`` of a mask kernel view (None: a (1, 1, 1, 2) placeholder the kernels never read)."""
+    if mask is None:
+        return np.zeros((1, 1, 1, 2), np.int64)
+    spans = np.empty(mask.shape[:2] + (n_q, 2), np.int64)
+    call_any_layout(mask_spans, (0,), mask, n_q, spans)
+    return spans
 
 
 @functools.lru_cache(maxsize=16)

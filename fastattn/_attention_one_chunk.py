@@ -1,7 +1,9 @@
 """Attention path ``one_chunk``: every query row runs its own online softmax over the whole KV range.
 
 Work unit: (batch b, KV head, a chunk of ``ROW_CHUNK`` query rows). For each query row of the unit, the query
-heads of the KV head's GQA group run together over all Nkv rows (``_attention_group.group_rows``: each K/V row is
+heads of the KV head's GQA group run together over the KV rows the mask lets through (all Nkv rows without a
+mask; the hidden prefix and suffix of a window or a padded batch entry are found once per call by
+``_attention_layout.mask_spans`` and left out, hidden blocks inside are skipped by ``group_rows``) (``_attention_group.group_rows``: each K/V row is
 read once for the whole group; rows masked ``-inf`` for every head are skipped without their dot product), then
 each head is normalised with its sink into ``out[b, i, h]``. Units are independent, so the parallel driver's
 threads take them in any order from a shared counter (``_kernel.fetch_add``), with private scratch; the serial
@@ -17,7 +19,7 @@ from numba import prange
 
 from . import _threads
 from ._attention_group import group_rows, load_group_queries
-from ._attention_layout import element_strides, flat4, flat_mask, no_sinks
+from ._attention_layout import element_strides, flat4, flat_mask, live_range, no_sinks, spans_of
 from ._attention_rows import ROWS
 from ._attention_softmax import finalize
 from ._dispatch import aligned, meta, overlaps, unit_rows
@@ -33,7 +35,7 @@ STRIDED = (0, 1, 2, 3, 8)
 
 
 @kernel
-def _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, u):
+def _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, u):
     B, Hq, Nq, DK = q.shape
     Bk, Hkv, Nkv = k.shape[0], k.shape[1], k.shape[2]
     DV = v.shape[3]
@@ -62,8 +64,9 @@ def _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, u):
         M[:] = -np.inf
         S[:] = 0.0
         A[:] = 0.0
+        j0, j1 = live_range(spans, mask, b % Bm, h0, G, Hm, i, 0, Nkv)  # the mask's hidden ends left out
         group_rows(qs, (kf, kbase, kst[2], kst[3]), (vf, vbase, vst[2], vst[3]), mf,
-                   (mo + (b % Bm) * mst[0] + i * mst[2], mst[1], mst[3], Hm), slopes, h0, scale, softcap, 0, Nkv,
+                   (mo + (b % Bm) * mst[0] + i * mst[2], mst[1], mst[3], Hm), slopes, h0, scale, softcap, j0, j1,
                    (M, S, A), (sc, rows), Nq == 1)
         for g in range(G):
             finalize(M[g], S[g], A, g * DV, DV, sinks[h0 + g], of, oo + b * ost[0] + i * ost[1] + (h0 + g) * ost[2],
@@ -71,21 +74,21 @@ def _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, u):
 
 
 @kernel
-def _serial(q, k, v, mask, slopes, sinks, scale, softcap, out):
+def _serial(q, k, v, mask, slopes, sinks, scale, softcap, out, spans):
     n_units = q.shape[0] * k.shape[1] * ((q.shape[2] + ROW_CHUNK - 1) // ROW_CHUNK)
     for u in range(n_units):
-        _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, u)
+        _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, u)
 
 
 @kernel(parallel=True)
-def _parallel(q, k, v, mask, slopes, sinks, scale, softcap, out, next_unit, n_threads):
+def _parallel(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, next_unit, n_threads):
     n_units = q.shape[0] * k.shape[1] * ((q.shape[2] + ROW_CHUNK - 1) // ROW_CHUNK)
     # one iteration per thread, each taking units from the shared counter: decode has few units (one per KV
     # head), and a static split leaves a thread whose core is busy elsewhere deciding the time
     for _ in prange(n_threads):
         u = fetch_add(next_unit)
         while u < n_units:
-            _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, u)
+            _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, u)
             u = fetch_add(next_unit)
 
 
@@ -104,7 +107,7 @@ def run_one_chunk(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     n_threads = _threads.threads_for(nbytes)
     args = (element_strides(q), element_strides(k), element_strides(v),
             None if mask is None else element_strides(mask), slopes, sinks, np.float32(scale), np.float32(softcap),
-            out)
+            out, spans_of(mask, Nq))
     if n_threads > 1:
         call_any_layout(_parallel, STRIDED, *args, np.zeros(1, np.int64), n_threads)
     else:
@@ -151,7 +154,8 @@ def decode_fast(q, k, v, out, slopes, sinks, scale, auto_splittable, min_nkv, mi
     if n_threads > 1 and nbytes >= min_bytes:
         use_threads(n_threads)
         _parallel(q, k, v, None, slopes_c, sinks_c, np.float32(scale), np.float32(0.0), out,
-                  np.zeros(1, np.int64), n_threads)
+                  np.zeros((1, 1, 1, 2), np.int64), np.zeros(1, np.int64), n_threads)
     else:
-        _serial(q, k, v, None, slopes_c, sinks_c, np.float32(scale), np.float32(0.0), out)
+        _serial(q, k, v, None, slopes_c, sinks_c, np.float32(scale), np.float32(0.0), out,
+                np.zeros((1, 1, 1, 2), np.int64))
     return True

@@ -1,6 +1,7 @@
 """The online-softmax steps of a block of KV rows for a GQA group's heads (see ``_attention_group``).
 
-``_mask_terms`` starts the scores from slope·mask (``-inf`` where the mask is ``-inf``, whatever the slope);
+``_mask_block_kind`` tells a block the mask hides from every head (skipped whole) or leaves at 0 (no mask
+terms); ``_mask_terms`` starts the scores from slope·mask (``-inf`` where the mask is ``-inf``, whatever the slope);
 ``_score`` adds a logit (a hidden score stays ``-inf``); ``_live_rows`` lists the rows some head of a register
 block still needs; ``_block_weights`` rescales the running sum ``S`` and output ``A`` to the block's new max and
 turns scores into weights; ``finalize`` folds in the sink and normalises. The max skips NaN scores, so a NaN is
@@ -50,6 +51,36 @@ def _live_rows(sc, g, width, n, every, dead, rows):
                 n_live += 1
                 break
     return n_live
+
+
+#: Kinds of a block of mask entries for a group's heads (``_mask_block_kind``).
+BLOCK_HIDDEN = 0  # every entry -inf: the block adds nothing (no new max, weights 0); skipped, K/V not read
+BLOCK_ZERO = 1  # every entry 0 (or -0): the scores are the logits; no mask terms
+BLOCK_ADD = 2  # anything else: mask terms added
+
+
+@kernel(inline=True)
+def _mask_block_kind(mf, mbase, mhs, mcs, Hm, h0, G, jb, n):
+    """The kind (BLOCK_*) of mask columns jb .. jb+n for heads h0 .. h0+G, which read min(G, Hm) mask heads.
+    Reads the n entries of each without branching (vectorised); a NaN entry makes the block BLOCK_ADD."""
+    live = 0
+    nonzero = 0
+    for t in range(min(G, Hm)):
+        start = mbase + ((h0 + t) % Hm) * mhs + jb * mcs
+        if mcs == 1:  # two loops: a select between the two addressings inside one loop does not vectorise
+            u = np.uint64(start)  # unsigned: a signed index's negative-index wrap stops vectorisation
+            for r in range(n):
+                x = to_f32(mf[u + np.uint64(r)])
+                live += x != NEG_INF
+                nonzero += x != 0.0
+        else:
+            for r in range(n):
+                x = to_f32(mf[start + r * mcs])
+                live += x != NEG_INF
+                nonzero += x != 0.0
+    if live == 0:
+        return BLOCK_HIDDEN
+    return BLOCK_ZERO if nonzero == 0 else BLOCK_ADD
 
 
 @kernel(inline=True)

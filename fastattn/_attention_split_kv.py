@@ -3,7 +3,8 @@
 Phase 1, work unit (batch b, KV head, KV chunk c): the query heads of the KV head's GQA group run the online
 softmax over the chunk's rows together (``_attention_group.group_rows``: one read of each K/V row serves every head
 of the group) and leave a partial ``(M, S, A)`` per head: running max, sum of ``exp(s - M)`` and unnormalised
-``sum exp(s - M) v``.
+``sum exp(s - M) v``. With a mask, only the chunk's blocks between the first and last key the mask lets through
+are walked (``_attention_layout.live_range``); a chunk outside them leaves the empty partial (-inf, 0, 0).
 
 Phase 2 (on the calling thread: it is ~1% of the work), per (b, query head): the partials are folded in chunk
 order with the two-state online softmax (``M' = max(M, M_c)``, ``S' = S e^(M - M') + S_c e^(M_c - M')``, the
@@ -33,7 +34,7 @@ from numba import prange
 
 from . import _threads
 from ._attention_group import group_rows, load_group_queries
-from ._attention_layout import element_strides, flat4, flat_mask, no_sinks
+from ._attention_layout import element_strides, flat4, flat_mask, live_range, no_sinks, spans_of
 from ._attention_rows import ROWS
 from ._attention_softmax import finalize
 from ._kernel import call_any_layout, fast_exp, fetch_add, kernel
@@ -79,7 +80,7 @@ STRIDED = (0, 1, 2, 3, 8)
 
 
 @kernel
-def _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, u):
+def _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, u):
     B, Hq, _, DK = q.shape
     Bk, Hkv, Nkv = k.shape[0], k.shape[1], k.shape[2]
     qf, qo, qst = flat4(q)
@@ -105,9 +106,11 @@ def _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, u):
     # buffer (units 2 KiB apart) ran 15-30% slower in interleaved runs, likely store/load address aliasing with
     # the V rows.
     A = np.zeros(Ap.shape[3], np.float32)
+    # the chunk's rows less the mask's hidden ends: a chunk outside the live keys leaves the empty partial
+    j0, j1 = live_range(spans, mask, b % Bm, h0, G, Hm, 0, c * rows, min(Nkv, (c + 1) * rows))
     group_rows(qs, (kf, ko + kb * kst[0] + kvh * kst[1], kst[2], kst[3]),
                (vf, vo + kb * vst[0] + kvh * vst[1], vst[2], vst[3]), mf, (mo + (b % Bm) * mst[0], mst[1], mst[3], Hm),
-               slopes, h0, scale, softcap, c * rows, min(Nkv, (c + 1) * rows), (M, S, A), (sc, live), True)
+               slopes, h0, scale, softcap, j0, j1, (M, S, A), (sc, live), True)
     Ap[b, kvh, c] = A
 
 
@@ -141,15 +144,15 @@ def _fold(Mp, Sp, Ap, sinks, out, bh):
 
 
 @kernel
-def _serial(q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap):
+def _serial(q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap, spans):
     for u in range(Mp.shape[0] * Mp.shape[1] * Mp.shape[2]):
-        _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, u)
+        _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, u)
     for bh in range(q.shape[0] * q.shape[1]):
         _fold(Mp, Sp, Ap, sinks, out, bh)
 
 
 @kernel(parallel=True)
-def _parallel(q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap, next_unit, n_threads):
+def _parallel(q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap, spans, next_unit, n_threads):
     n_units = Mp.shape[0] * Mp.shape[1] * Mp.shape[2]
     # One iteration per thread. The units are cut into n_threads ranges of adjacent units (adjacent KV chunks of
     # a head: one stream of rows); thread t takes units from range t's counter, then helps the other ranges in
@@ -163,7 +166,7 @@ def _parallel(q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, A
             counter = next_unit[r * COUNTER_STRIDE:r * COUNTER_STRIDE + 1]
             u = lo + fetch_add(counter)
             while u < hi:
-                _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, u)
+                _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, u)
                 u = lo + fetch_add(counter)
     # The folds are ~1% of the work: on the calling thread, saving a second fork-join of the pool.
     for bh in range(q.shape[0] * q.shape[1]):
@@ -191,7 +194,7 @@ def run_split_kv(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     n_threads = _threads.threads_for(nbytes)
     args = (element_strides(q), element_strides(k), element_strides(v),
             None if mask is None else element_strides(mask), slopes, sinks, np.float32(scale), np.float32(softcap),
-            out, rows, Mp, Sp, Ap)
+            out, rows, Mp, Sp, Ap, spans_of(mask, 1))
     if n_threads > 1:
         call_any_layout(_parallel, STRIDED, *args, np.zeros(n_threads * COUNTER_STRIDE, np.int64),
                         n_threads)
