@@ -1,11 +1,11 @@
 """Attention path ``one_chunk``: every query row runs its own online softmax over the whole KV range.
 
 Work unit: (batch b, KV head, a chunk of ``ROW_CHUNK`` query rows). For each query row of the unit, the query
-heads of the KV head's GQA group run together over the KV rows the mask lets through (all Nkv rows without a
-mask; the hidden prefix and suffix of a window or a padded batch entry are found once per call by
-``_attention_layout.mask_spans`` and left out, hidden blocks inside are skipped by ``group_rows``) (``_attention_group.group_rows``: each K/V row is
-read once for the whole group; rows masked ``-inf`` for every head are skipped without their dot product), then
-each head is normalised with its sink into ``out[b, i, h]``. Units are independent, so the parallel driver's
+heads of the KV head's GQA group run together over the KV rows the mask lets through
+(``_attention_group.group_rows``: each K/V row is read once for the whole group; blocks hidden from every head
+are skipped unread, and rows masked ``-inf`` for every head are skipped without their dot product). Without a
+mask that is all Nkv rows; with one, a row's hidden prefix and suffix (a window, a padded batch entry) are found
+once per call (``_attention_layout.mask_spans``) and left out. Then each head is normalised with its sink into ``out[b, i, h]``. Units are independent, so the parallel driver's
 threads take them in any order from a shared counter (``_kernel.fetch_add``), with private scratch; the serial
 driver runs the same units in a loop (small work: a parallel launch costs more than it saves, see ``_threads``).
 A unit's result does not depend on the thread that runs it: the output is the same for any thread count.
