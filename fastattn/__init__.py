@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import importlib
 
-from ._modes import ROPE_IMROPE, ROPE_MROPE, ROPE_NEOX, ROPE_NORMAL, ROPE_VISION, RopeMode
 from . import _tensors, _threads
+from ._modes import ROPE_IMROPE, ROPE_MROPE, ROPE_NEOX, ROPE_NORMAL, ROPE_VISION, RopeMode
+from ._quantized import Quantized
 from ._threads import get_num_threads, num_threads, set_num_threads
 
 __version__ = "0.1.0"
@@ -21,10 +22,11 @@ _FAST_OPS = {
     "flash_attn_ext": ".attention",
     "rope_ext": ".rope", "rope_cache": ".rope", "apply_rope_cache": ".rope",
     "rope_set_rows": ".rope", "apply_rope_cache_set_rows": ".rope",
+    "quantize": ".quant", "dequantize": ".quant",
 }
 
 __all__ = [
-    "ROPE_IMROPE", "ROPE_MROPE", "ROPE_NEOX", "ROPE_NORMAL", "ROPE_VISION", "RopeMode",
+    "ROPE_IMROPE", "ROPE_MROPE", "ROPE_NEOX", "ROPE_NORMAL", "ROPE_VISION", "Quantized", "RopeMode",
     "get_num_threads", "num_threads", "set_num_threads", *_FAST_OPS,
 ]
 

@@ -36,11 +36,14 @@ FASTMATH = frozenset({"contract", "arcp", "reassoc", "nsz", "afn"})
 KERNEL_OPTIONS = dict(cache=True, nogil=True, fastmath=set(FASTMATH), error_model="numpy")
 
 
-def kernel(fn=None, *, parallel: bool = False, inline: bool = False):
+def kernel(fn=None, *, parallel: bool = False, inline: bool = False, exact: bool = False):
     """``numba.njit`` with ``KERNEL_OPTIONS``; ``parallel=True`` for the ``prange`` drivers; ``inline=True`` for
     small helpers called in hot loops (inlined by Numba: LLVM leaves calls with many array arguments alone, and
-    the call costs as much as a short loop)."""
+    the call costs as much as a short loop); ``exact=True`` without fastmath, for arithmetic that must round as
+    a reference does (no FMA contraction, no reciprocal for a division: the quantizers)."""
     opts = dict(KERNEL_OPTIONS, parallel=parallel)
+    if exact:
+        opts["fastmath"] = False
     if inline:
         opts["inline"] = "always"
     if fn is None:

@@ -27,6 +27,8 @@ from . import _layout, _threads
 from ._args import rows as _args
 from ._dispatch import Route, aligned, array_type, meta, overlaps, unit_rows
 from ._kernel import assume_contiguous, from_f32, kernel, kernel_view, to_f32
+from ._quantized import QTYPE_CODES, Quantized
+from .quant import quantize_row
 
 _ND = np.ndarray
 
@@ -104,6 +106,55 @@ def _set_rows_fast(dst, src, idx, max_bytes):
     return True
 
 
+@kernel(exact=True)
+def _set_quantized_serial(data, src, idx, code):
+    """``_set_rows_serial`` into quantized rows: each src row quantized straight into its destination's bytes."""
+    bad = _first_bad(idx, data.shape[1])
+    if bad >= 0:
+        return bad
+    for b in range(src.shape[0]):
+        rows = idx[b % idx.shape[0]]
+        for i in range(src.shape[1]):
+            quantize_row(src[b, i], data[b, rows[i]], code)
+    return -1
+
+
+@kernel(parallel=True, exact=True)
+def _set_quantized_parallel(data, src, idx, code, n_workers):
+    """``_set_rows_parallel`` into quantized rows (workers own destination rows: the last duplicate wins)."""
+    bad = _first_bad(idx, data.shape[1])
+    if bad >= 0:
+        return bad
+    n_rows = data.shape[1]
+    for t in prange(n_workers):
+        for b in range(src.shape[0]):
+            rows = idx[b % idx.shape[0]]
+            for i in range(src.shape[1]):
+                if _owner(b * n_rows + rows[i], n_workers) == t:
+                    quantize_row(src[b, i], data[b, rows[i]], code)
+    return -1
+
+
+def _set_rows_quantized(dst: Quantized, src: np.ndarray, idx: np.ndarray) -> Quantized:
+    n_rows = dst.shape[-2]
+    n_workers = _threads.threads_for(src.size * (src.itemsize + 1))
+    code = QTYPE_CODES[dst.qtype]
+    blocks = _layout.merge_leading([dst.data, kernel_view(src)], [idx[(None,) * (src.ndim - 1 - idx.ndim)]],
+                                   src.ndim - 2)
+    if len(blocks) > 1:  # checked up front: the per-block kernel checks would come after earlier blocks' writes
+        bad = _args.first_bad_index(idx, n_rows)
+        if bad is not None:
+            raise _args.index_error(idx, n_rows, bad)
+    for (dk, sk), (ik,) in blocks:
+        if n_workers == 1:
+            bad = _set_quantized_serial(dk, sk, ik, code)
+        else:
+            bad = _set_quantized_parallel(dk, sk, ik, code, n_workers)
+        if bad >= 0:
+            raise _args.index_error(idx, n_rows, tuple(int(i) for i in np.unravel_index(bad, idx.shape)))
+    return dst
+
+
 def _route_types(dst_dtype, src_dtype, idx_dtype) -> tuple:
     return array_type(dst_dtype, 2), array_type(src_dtype, 2), array_type(idx_dtype, 1), types.int64
 
@@ -127,6 +178,8 @@ def set_rows(dst: np.ndarray, src: np.ndarray, idx: np.ndarray) -> np.ndarray:
         if entry is not None and entry(dst, src, idx, _threads.PARALLEL_MIN_BYTES):
             return dst
     dst, src, idx = _args.set_rows(dst, src, idx)
+    if dst.__class__ is Quantized:
+        return _set_rows_quantized(dst, src, idx)
     if (dst.ndim == 2 and idx.ndim == 1 and src.size * (src.itemsize + dst.itemsize) < _threads.PARALLEL_MIN_BYTES
             and _rows_route.run((dst.dtype, src.dtype, idx.dtype), dst, src, idx, _threads.PARALLEL_MIN_BYTES)):
         return dst

@@ -4,10 +4,12 @@ Same names and signatures as ``fastattn``; results are rounded once at the end t
 returns (pass a float64 ``out=`` to get the unrounded values). Never imports Numba.
 """
 from fastattn._modes import ROPE_IMROPE, ROPE_MROPE, ROPE_NEOX, ROPE_NORMAL, ROPE_VISION, RopeMode
+from fastattn._quantized import Quantized
 from fastattn._tensors import accept_tensors
 
 from . import attention as _attention
 from . import norm as _norm
+from . import quant as _quant
 from . import rope as _rope
 from . import rows as _rows
 
@@ -22,9 +24,11 @@ rope_ext = accept_tensors(_rope.rope_ext)
 rope_set_rows = accept_tensors(_rope.rope_set_rows)
 apply_rope_cache_set_rows = accept_tensors(_rope.apply_rope_cache_set_rows)
 set_rows = accept_tensors(_rows.set_rows)
+quantize = accept_tensors(_quant.quantize)
+dequantize = _quant.dequantize
 
 __all__ = [
-    "ROPE_IMROPE", "ROPE_MROPE", "ROPE_NEOX", "ROPE_NORMAL", "ROPE_VISION", "RopeMode",
-    "add_rms_norm_mul", "apply_rope_cache", "apply_rope_cache_set_rows", "flash_attn_ext", "rms_norm",
+    "ROPE_IMROPE", "ROPE_MROPE", "ROPE_NEOX", "ROPE_NORMAL", "ROPE_VISION", "Quantized", "RopeMode",
+    "add_rms_norm_mul", "dequantize", "quantize", "apply_rope_cache", "apply_rope_cache_set_rows", "flash_attn_ext", "rms_norm",
     "rms_norm_mul", "rope_cache", "rope_ext", "rope_set_rows", "set_rows",
 ]

@@ -1,13 +1,17 @@
 """SET_ROWS, the definition: ``dst[*b, idx[*b % idx_lead, i], :] = src[*b, i, :]`` for every row, in order.
 
 Rows are written one at a time in C order of ``src``'s rows, so with duplicate indices the last row wins.
-Values are widened exactly to float64 and rounded once to ``dst``'s dtype (round to nearest even).
+Values are widened exactly to float64 and rounded once to ``dst``'s dtype (round to nearest even); into a
+``Quantized`` dst, each row is quantized with ggml's reference rounding (``reference/quant.py``).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from fastattn._args import rows as _args
+from fastattn._quantized import Quantized
+
+from .quant import quantize
 
 
 def set_rows(dst: np.ndarray, src: np.ndarray, idx: np.ndarray) -> np.ndarray:
@@ -23,9 +27,14 @@ def set_rows(dst: np.ndarray, src: np.ndarray, idx: np.ndarray) -> np.ndarray:
         raise _args.index_error(idx, n_rows, bad)
     idx_lead = (1,) * (src.ndim - 1 - idx.ndim) + idx.shape[:-1]
     idx = idx.reshape(idx_lead + idx.shape[-1:])
-    values = src.astype(np.float64).astype(dst.dtype)
+    if isinstance(dst, Quantized):  # each row quantized from its float32 values (exact for float16/bfloat16)
+        target = dst.data
+        values = quantize(src.astype(np.float32), dst.qtype).data
+    else:
+        target = dst
+        values = src.astype(np.float64).astype(dst.dtype)
     for lead in np.ndindex(src.shape[:-2]):
         rows = idx[tuple(b % m for b, m in zip(lead, idx_lead))]
         for i in range(src.shape[-2]):
-            dst[lead + (rows[i],)] = values[lead + (i,)]
+            target[lead + (rows[i],)] = values[lead + (i,)]
     return dst

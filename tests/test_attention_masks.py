@@ -2,8 +2,9 @@
 
 A block of ``ROWS`` keys whose mask is ``-inf`` for every head of a GQA group adds nothing to the online softmax
 (no new max, zero weights), so a call on a sliding window or a padded batch entry gives, bit for bit, what the
-same call on the live keys alone gives when the live range starts on a block boundary (one_chunk walks blocks
-from the first key), and its hidden K/V rows are never read.
+same call on the live keys alone gives when the live range starts and ends on block boundaries or at the cache's
+end (one_chunk walks blocks from the first key; a block cut short sums its weights in another order), and its
+hidden K/V rows are never read.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def test_window_on_one_chunk_is_the_sliced_call_bit_for_bit(dtype, threads):
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_padded_batch_entries_are_their_single_calls_bit_for_bit(dtype):
     rng = np.random.default_rng(1)
-    lengths = [ROWS, 3 * ROWS, 6 * ROWS + 5, 8 * ROWS]
+    lengths = [ROWS, 3 * ROWS, 6 * ROWS, 8 * ROWS]  # whole blocks: a cut block would sum in another order
     n_kv = max(lengths)
     q, k, v = _decode_inputs(rng, n_kv, dtype, batch=len(lengths))
     mask = np.full((len(lengths), 1, 1, n_kv), -np.inf, np.float32)

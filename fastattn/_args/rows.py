@@ -1,6 +1,7 @@
 """Arguments of ``set_rows``, shared by the fast path and the reference.
 
-Shapes (NumPy order, ggml's ``ne`` reversed): ``dst`` (*lead, R, D), ``src`` (*lead, n, D), ``idx``
+Shapes (NumPy order, ggml's ``ne`` reversed): ``dst`` (*lead, R, D) (an ndarray, or a ``Quantized`` of that
+logical shape), ``src`` (*lead, n, D), ``idx``
 (*idx_lead, n) where ``idx_lead`` has at most ``len(lead)`` axes and each of its lengths divides the matching
 (right-aligned) ``lead`` length: ``idx`` repeats over the leading axes as ggml's ``set_rows`` broadcasts it.
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _validate
+from .._quantized import Quantized
 from .._validate import INDEX_INTS, STORAGE_FLOATS
 
 _FLOATS = frozenset(STORAGE_FLOATS)
@@ -19,9 +21,17 @@ _INTS = frozenset(INDEX_INTS)
 
 
 def set_rows(dst, src, idx):
-    if not (isinstance(dst, np.ndarray) and dst.dtype in _FLOATS and dst.ndim >= 2):
-        _validate.array("dst", dst, dtypes=STORAGE_FLOATS, min_ndim=2)
-    if not dst.flags.writeable:
+    """Checked (dst, src, idx); dst an ndarray or a ``Quantized`` (its logical shape is checked, its bytes are
+    what must be writeable and disjoint from src and idx)."""
+    if isinstance(dst, Quantized):
+        memory = dst.data
+        if memory.ndim < 2:
+            raise ValueError(f"dst must have at least 2 axes (*lead, R, D), got shape {dst.shape}")
+    else:
+        if not (isinstance(dst, np.ndarray) and dst.dtype in _FLOATS and dst.ndim >= 2):
+            _validate.array("dst", dst, dtypes=STORAGE_FLOATS, min_ndim=2)
+        memory = dst
+    if not memory.flags.writeable:
         raise ValueError("dst must be writeable")
     if not (isinstance(src, np.ndarray) and src.dtype in _FLOATS and src.ndim == dst.ndim):
         _validate.array("src", src, dtypes=STORAGE_FLOATS, ndim=dst.ndim)
@@ -38,7 +48,7 @@ def set_rows(dst, src, idx):
     if len(i_shape) > 1 and any(m % n if n else m for n, m in zip(reversed(i_shape[:-1]), reversed(s_shape[:-2]))):
         raise ValueError(f"idx's leading axes {i_shape[:-1]} must each divide src's {s_shape[:-2]} "
                          "(aligned from the right): idx repeats over them")
-    if np.may_share_memory(dst, src) or np.may_share_memory(dst, idx):
+    if np.may_share_memory(memory, src) or np.may_share_memory(memory, idx):
         raise ValueError("dst overlaps src or idx; pass separate arrays")
     return dst, src, idx
 

@@ -1,0 +1,201 @@
+"""Q8_0 / Q4_0 quantization kernels: ``quantize``, ``dequantize`` and the row quantizer ``set_rows`` uses.
+
+Each row of 32-value blocks is quantized block by block with ggml's reference rounding (``reference/quant.py``
+states it): the kernels compile without fastmath (``kernel(exact=True)``) so that ``d = amax / 127``, ``1 / d``
+and ``x · (1/d) + 8.5`` round exactly as the reference's float32 NumPy does (no FMA contraction, no reciprocal
+for a division); the bytes are then identical to the reference's and to the ``gguf`` package's. Float16 input
+enters as uint16 bits and is widened exactly.
+
+Layout: leading axes are merged into one (``_layout.merge_leading``, never a copy), so the kernels see rows:
+values (rows, n) and bytes (rows, n / 32 · block_bytes). Rows are independent: ``prange`` over rows above the
+threading rule's size (``_threads.threads_for``), serially below.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import prange, types
+from numba.core.errors import TypingError
+from numba.extending import intrinsic
+
+from . import _layout, _threads
+from ._kernel import (_f16_bits_to_f32, _f32_to_f16_bits, assume_contiguous, call_any_layout, kernel, kernel_view,
+                      to_f32)
+from ._quantized import BLOCK, BLOCK_BYTES, QTYPE_CODES, Quantized, quantized_array, values_array
+
+Q8_0 = QTYPE_CODES["q8_0"]
+Q4_0 = QTYPE_CODES["q4_0"]
+
+
+@intrinsic
+def _magnitude_bits(typingctx, value):
+    """The bits of |value| (float32) as uint32: ordered as the magnitudes are, so an integer max (which
+    vectorises without fastmath, unlike a float max) finds the largest magnitude."""
+    if value != types.float32:
+        raise TypingError("expected float32")
+
+    def codegen(context, builder, signature, args):
+        bits = builder.bitcast(args[0], ir.IntType(32))
+        return builder.and_(bits, ir.Constant(ir.IntType(32), 0x7FFFFFFF))
+
+    return types.uint32(value), codegen
+
+
+@intrinsic
+def _from_bits(typingctx, bits):
+    """The float32 whose bits are ``bits`` (uint32)."""
+    if bits != types.uint32:
+        raise TypingError("expected uint32")
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@kernel(inline=True, exact=True)
+def _store_scale(out, o, d):
+    """The float16 scale ``d`` (rounded to nearest even) as two little-endian bytes at out[o]."""
+    bits = _f32_to_f16_bits(d)
+    out[o] = np.uint8(bits & 0xFF)
+    out[o + 1] = np.uint8(bits >> 8)
+
+
+@kernel(inline=True, exact=True)
+def _load_scale(data, o):
+    return _f16_bits_to_f32(np.uint16(np.int32(data[o]) | (np.int32(data[o + 1]) << 8)))
+
+
+@kernel(inline=True, exact=True)
+def _q8_0_block(x, j0, out, o):
+    """Values x[j0 .. j0+32] into the Q8_0 block at out[o]: d = amax/127, q = roundf(x/d) (halves away from 0)."""
+    top = np.uint32(0)
+    for j in range(BLOCK):
+        top = max(top, _magnitude_bits(to_f32(x[j0 + j])))
+    d = _from_bits(top) / np.float32(127.0)
+    inv = np.float32(1.0) / d if d != 0.0 else np.float32(0.0)
+    _store_scale(out, o, d)
+    for j in range(BLOCK):
+        v = to_f32(x[j0 + j]) * inv
+        t = np.trunc(v)
+        # roundf: v - t is exact, so this is its half-way test; a select, so the loop vectorises
+        r = t + math.copysign(np.float32(1.0), v) if abs(v - t) >= np.float32(0.5) else t
+        out[o + 2 + j] = np.uint8(np.int32(r) & 0xFF)
+
+
+@kernel(inline=True, exact=True)
+def _q4_0_block(x, j0, out, o):
+    """Values x[j0 .. j0+32] into the Q4_0 block at out[o]: d = m/-8 with m the first value of largest
+    magnitude, q = min(15, trunc(x/d + 8.5)); value j in the low nibble of byte j, value j+16 in its high one."""
+    amax = np.float32(0.0)
+    m = np.float32(0.0)
+    for j in range(BLOCK):
+        v = to_f32(x[j0 + j])
+        if amax < abs(v):
+            amax = abs(v)
+            m = v
+    d = m / np.float32(-8.0)
+    inv = np.float32(1.0) / d if d != 0.0 else np.float32(0.0)
+    _store_scale(out, o, d)
+    half = BLOCK // 2
+    for j in range(half):
+        low = min(15, np.int32(to_f32(x[j0 + j]) * inv + np.float32(8.5)))
+        high = min(15, np.int32(to_f32(x[j0 + half + j]) * inv + np.float32(8.5)))
+        out[o + 2 + j] = np.uint8(low | (high << 4))
+
+
+@kernel(inline=True, exact=True)
+def _blocks_of_row(x, out, code):
+    width = 34 if code == Q8_0 else 18
+    for blk in range(x.shape[0] // BLOCK):
+        if code == Q8_0:
+            _q8_0_block(x, blk * BLOCK, out, blk * width)
+        else:
+            _q4_0_block(x, blk * BLOCK, out, blk * width)
+
+
+@kernel(inline=True, exact=True)
+def quantize_row(x, out, code):
+    """One row of values (a multiple of 32) into its blocks of type ``code`` (Q8_0 or Q4_0); a unit-stride row
+    is retyped contiguous so that the block loops vectorise."""
+    if x.strides[0] == x.itemsize:
+        _blocks_of_row(assume_contiguous(x), assume_contiguous(out), code)
+    else:
+        _blocks_of_row(x, assume_contiguous(out), code)
+
+
+@kernel(inline=True, exact=True)
+def _dequantize_row(data, out, code):
+    width = 34 if code == Q8_0 else 18
+    half = BLOCK // 2
+    for blk in range(out.shape[0] // BLOCK):
+        o = blk * width
+        d = _load_scale(data, o)
+        j0 = blk * BLOCK
+        if code == Q8_0:
+            for j in range(BLOCK):
+                out[j0 + j] = np.float32(np.int8(data[o + 2 + j])) * d
+        else:
+            for j in range(half):
+                byte = np.int32(data[o + 2 + j])
+                out[j0 + j] = np.float32((byte & 15) - 8) * d
+                out[j0 + half + j] = np.float32((byte >> 4) - 8) * d
+
+
+@kernel(exact=True)
+def _quantize_serial(x, data, code):
+    for r in range(x.shape[0]):
+        quantize_row(x[r], data[r], code)
+
+
+@kernel(parallel=True, exact=True)
+def _quantize_parallel(x, data, code):
+    for r in prange(x.shape[0]):
+        quantize_row(x[r], data[r], code)
+
+
+@kernel(exact=True)
+def _dequantize_serial(data, out, code):
+    for r in range(data.shape[0]):
+        _dequantize_row(data[r], out[r], code)
+
+
+@kernel(parallel=True, exact=True)
+def _dequantize_parallel(data, out, code):
+    for r in prange(data.shape[0]):
+        _dequantize_row(data[r], out[r], code)
+
+
+def _row_pairs(a: np.ndarray, b: np.ndarray) -> list:
+    """(a rows, b rows): views of ``a`` and ``b`` (same leading shape) with their leading axes merged into one."""
+    if a.ndim == 1:
+        return [(a[None], b[None])]
+    return [tuple(full) for full, _ in _layout.merge_leading([a, b], [], a.ndim - 1)]
+
+
+def quantize(x: np.ndarray, qtype: str) -> Quantized:
+    """Quantize ``x`` (..., n) float32 or float16, n a multiple of 32, into a new ``Quantized`` of ``qtype``
+    ("q8_0" or "q4_0") with ggml's reference rounding (the bytes of ``fastattn.reference.quantize``). ``x`` may be
+    any strided view."""
+    x = values_array("x", x)
+    if not isinstance(qtype, str) or qtype not in BLOCK_BYTES:
+        raise ValueError(f"qtype must be one of {tuple(BLOCK_BYTES)}, got {qtype!r}")
+    data = np.empty(x.shape[:-1] + (x.shape[-1] // BLOCK * BLOCK_BYTES[qtype],), np.uint8)
+    code = QTYPE_CODES[qtype]
+    parallel = _threads.threads_for(x.size * (x.itemsize + 1)) > 1
+    for xr, dr in _row_pairs(kernel_view(x), data):
+        call_any_layout(_quantize_parallel if parallel else _quantize_serial, (0,), xr, dr, code)
+    return Quantized(data, qtype)
+
+
+def dequantize(a: Quantized) -> np.ndarray:
+    """The float32 values of ``a`` in its logical shape (q · d per block, as ggml's dequantizers)."""
+    a = quantized_array("a", a)
+    out = np.empty(a.shape, np.float32)
+    code = QTYPE_CODES[a.qtype]
+    parallel = _threads.threads_for(out.size * 5) > 1
+    for dr, orow in _row_pairs(a.data, out):
+        call_any_layout(_dequantize_parallel if parallel else _dequantize_serial, (0,), dr, orow, code)
+    return out

@@ -1,0 +1,162 @@
+"""Q8_0 / Q4_0: ``quantize`` and ``dequantize`` (fast and reference) against ggml's reference quantizer as the
+``gguf`` package implements it, byte for byte, and ``set_rows`` into a ``Quantized`` cache."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fastattn
+from fastattn import reference
+from fastattn.testing import parallel_min_bytes
+
+gguf_quants = pytest.importorskip("gguf.quants")
+from gguf import GGMLQuantizationType  # noqa: E402
+
+QTYPES = ["q8_0", "q4_0"]
+GGML = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
+WIDTH = {"q8_0": 34, "q4_0": 18}
+
+
+def _special_blocks(rng, n_blocks: int) -> np.ndarray:
+    """Blocks that probe the rounding: zeros, exact .5 ties after scaling, negative extremes, a value alone,
+    tiny and huge magnitudes, repeated maxima of both signs."""
+    blocks = rng.standard_normal((n_blocks, 32)).astype(np.float32)
+    kinds = [
+        np.zeros(32, np.float32),
+        (np.arange(32) - 15.5).astype(np.float32) * np.float32(127 / 15.5) / 127 * 15.5,  # .5 ties
+        np.float32(0.5) * np.arange(32, dtype=np.float32),
+        np.where(np.arange(32) == 7, -127.0, 1.0).astype(np.float32),
+        np.where(np.arange(32) == 3, 8.0, -8.0).astype(np.float32),  # |max| tie, first one positive
+        np.where(np.arange(32) == 0, 1e-30, 0.0).astype(np.float32),
+        np.full(32, 3e37, np.float32) * np.sign(np.arange(32) - 16.0).astype(np.float32),
+        np.float32(1e-8) * np.arange(32, dtype=np.float32),
+    ]
+    for i, block in enumerate(kinds[:n_blocks]):
+        blocks[i] = block
+    return blocks
+
+
+@st.composite
+def values(draw):
+    rows = draw(st.integers(1, 6))
+    n_blocks = draw(st.integers(1, 5))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    scale = np.float32(10.0 ** draw(st.integers(-12, 12)))
+    x = (rng.standard_normal((rows, n_blocks * 32)) * scale).astype(np.float32)
+    if draw(st.booleans()):
+        x.reshape(-1, 32)[:] = _special_blocks(rng, rows * n_blocks)[: rows * n_blocks]
+    if draw(st.booleans()):
+        x = x.astype(np.float16)
+    return x
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # scales past float16: inf
+@pytest.mark.parametrize("qtype", QTYPES)
+@given(x=values())
+def test_bytes_match_ggml_reference_quantizer(qtype, x):
+    expected = gguf_quants.quantize(x.astype(np.float32), GGML[qtype])
+    fast = fastattn.quantize(x, qtype)
+    ref = reference.quantize(x, qtype)
+    assert fast.data.dtype == np.uint8 and fast.shape == x.shape
+    assert np.array_equal(ref.data, expected)
+    assert np.array_equal(fast.data, expected)
+    decoded = gguf_quants.dequantize(expected, GGML[qtype])
+    # a scale past float16's range is stored as inf, and inf · 0 is NaN in ggml too
+    assert np.array_equal(reference.dequantize(ref), decoded, equal_nan=True)
+    assert np.array_equal(fastattn.dequantize(fast), decoded, equal_nan=True)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_every_special_block_and_threads(qtype):
+    rng = np.random.default_rng(0)
+    x = _special_blocks(rng, 64).reshape(8, 256)
+    expected = gguf_quants.quantize(x, GGML[qtype])
+    for threads in (1, 2):
+        with fastattn.num_threads(threads), parallel_min_bytes(0):
+            assert np.array_equal(fastattn.quantize(x, qtype).data, expected)
+            assert np.array_equal(fastattn.dequantize(fastattn.Quantized(expected, qtype)),
+                                  gguf_quants.dequantize(expected, GGML[qtype]), equal_nan=True)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_views_in_and_strided_quantized_caches(qtype):
+    rng = np.random.default_rng(1)
+    cache = rng.standard_normal((64, 4, 96)).astype(np.float32)  # token-major (R, H, D)
+    head_major = cache.transpose(1, 0, 2)  # (H, R, D) view
+    q = fastattn.quantize(head_major, qtype)
+    assert np.array_equal(q.data, gguf_quants.quantize(np.ascontiguousarray(head_major), GGML[qtype]))
+    bytes_cache = fastattn.quantize(cache, qtype).data
+    view = fastattn.Quantized(bytes_cache.transpose(1, 0, 2)[:, 5:40], qtype)  # strided leading axes
+    assert view.shape == (4, 35, 96)
+    assert np.array_equal(fastattn.dequantize(view), reference.dequantize(view))
+    assert np.array_equal(fastattn.dequantize(view), fastattn.dequantize(fastattn.Quantized(
+        np.ascontiguousarray(view.data), qtype)))
+
+
+@pytest.mark.parametrize("ops", [fastattn, reference], ids=["fast", "reference"])
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("src_dtype", [np.float32, np.float16])
+def test_set_rows_quantizes_into_the_rows_and_nothing_else(ops, qtype, src_dtype):
+    rng = np.random.default_rng(2)
+    parent = rng.integers(0, 256, (3, 40, 4 * WIDTH[qtype] + 7), dtype=np.uint8)  # guard bytes around the cache
+    cache = ops.Quantized(parent[1, 4:36, 3:3 + 4 * WIDTH[qtype]], qtype)  # (32 rows, 128 values)
+    before = parent.copy()
+    src = rng.standard_normal((6, 128)).astype(src_dtype)
+    idx = np.array([3, 30, 7, 3, 0, 31])  # 3 twice: the last wins
+    for threads in (1, 2):
+        with fastattn.num_threads(threads), parallel_min_bytes(0):
+            parent[:] = before
+            assert ops.set_rows(cache, src, idx) is cache
+        expected = before.copy()
+        rows = expected[1, 4:36, 3:3 + 4 * WIDTH[qtype]]
+        for i, r in enumerate(idx):
+            rows[r] = gguf_quants.quantize(src[i:i + 1].astype(np.float32), GGML[qtype])[0]
+        assert np.array_equal(parent, expected)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_set_rows_with_leading_axes_matches_the_reference(qtype):
+    rng = np.random.default_rng(3)
+    fast = fastattn.quantize(rng.standard_normal((2, 4, 16, 64)).astype(np.float32), qtype)
+    ref = reference.Quantized(fast.data.copy(), qtype)
+    src = rng.standard_normal((2, 4, 5, 64)).astype(np.float16)
+    idx = rng.integers(0, 16, (4, 5))
+    with parallel_min_bytes(0), fastattn.num_threads(2):
+        fastattn.set_rows(fast, src, idx)
+    reference.set_rows(ref, src, idx)
+    assert np.array_equal(fast.data, ref.data)
+
+
+@pytest.mark.parametrize("ops", [fastattn, reference], ids=["fast", "reference"])
+def test_bad_input_raises_and_writes_nothing(ops):
+    data = np.zeros((8, 68), np.uint8)
+    cache = ops.Quantized(data, "q8_0")
+    src = np.ones((2, 64), np.float32)
+    with pytest.raises(ValueError, match="idx must be in"):
+        ops.set_rows(cache, src, np.array([1, 8]))
+    with pytest.raises(ValueError, match="src must have shape"):
+        ops.set_rows(cache, np.ones((2, 32), np.float32), np.array([1, 2]))
+    shared = np.zeros((8, 128), np.float32)  # a cache whose bytes are the rows of src
+    with pytest.raises(ValueError, match="overlaps"):
+        ops.set_rows(ops.Quantized(shared.view(np.uint8)[:, :136], "q8_0"), shared[:2], np.array([1, 2]))
+    assert not data.any() and not shared.any()
+    with pytest.raises(ValueError, match="qtype must be one of"):
+        ops.Quantized(data, "q5_k")
+    with pytest.raises(ValueError, match="whole number of q4_0 blocks"):
+        ops.Quantized(data, "q4_0")
+    with pytest.raises(TypeError, match="dtype uint8"):
+        ops.Quantized(data.view(np.int8), "q8_0")
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.Quantized(np.zeros((8, 136), np.uint8)[:, ::2], "q8_0")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ops.quantize(np.ones((2, 48), np.float32), "q8_0")
+    with pytest.raises(TypeError, match="float32 or float16"):
+        ops.quantize(np.ones((2, 64), np.float64), "q8_0")
+    with pytest.raises(ValueError, match="qtype must be one of"):
+        ops.quantize(np.ones((2, 64), np.float32), "q8_1")
+    with pytest.raises(TypeError, match="fastattn.Quantized"):
+        ops.dequantize(data)
