@@ -41,8 +41,7 @@ import numpy as np
 
 from ._attention_nonfinite import _any_mixed_nonfinite, _sanitised_block
 from ._attention_rows import ROWS, _axpy1, _axpy4, _axpy4x2, _axpy4x4, _dot1, _dot4, _dot4x2, _prefetch_row
-from ._attention_softmax import (BLOCK_ADD, BLOCK_HIDDEN, NEG_INF, _block_weights, _live_rows, _mask_block_kind,
-                                 _mask_terms, _score)
+from ._attention_softmax import NEG_INF, _block_mask, _block_weights, _live_rows, _mask_terms, _score
 from ._attention_stream import stream_if_float32
 from ._kernel import kernel
 
@@ -96,12 +95,9 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
     for jb in range(j0, j1, ROWS):
         n = min(ROWS, j1 - jb)
         # 0. the block's mask: hidden from every head (skipped, K/V not read), all 0 (no terms) or terms to add
-        terms = mf is not None
-        if mf is not None:
-            kind = _mask_block_kind(mf, mbase, mhs, mcs, Hm, h0, G, jb, n)
-            if kind == BLOCK_HIDDEN:
-                continue
-            terms = kind == BLOCK_ADD
+        hidden, terms = _block_mask(mf, mbase, mhs, mcs, Hm, h0, G, jb, n)
+        if hidden:
+            continue
         # 1. mask terms (the scores start from them; without terms the scores are assigned, not added)
         if terms:
             _mask_terms(sc, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb)

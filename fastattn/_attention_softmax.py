@@ -84,6 +84,17 @@ def _mask_block_kind(mf, mbase, mhs, mcs, Hm, h0, G, jb, n):
 
 
 @kernel(inline=True)
+def _block_mask(mf, mbase, mhs, mcs, Hm, h0, G, jb, n):
+    """(hidden, terms) of a block of n columns for heads h0 .. h0+G: hidden from every head (the caller skips it,
+    its K/V unread), and whether its mask terms must be added (no mask, or an all-0 block: the scores are the
+    logits). (False, False) without a mask."""
+    if mf is None:
+        return False, False
+    kind = _mask_block_kind(mf, mbase, mhs, mcs, Hm, h0, G, jb, n)
+    return kind == BLOCK_HIDDEN, kind == BLOCK_ADD
+
+
+@kernel(inline=True)
 def _mask_terms(sc, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb):
     """sc[g, :n] = slope * mask of head h0 + g over the block's columns jb .. jb+n (nothing without a mask)."""
     if mf is not None:

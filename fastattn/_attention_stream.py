@@ -14,8 +14,7 @@ from numba.extending import intrinsic, overload
 
 from ._attention_nonfinite import _drop_mixed_nonfinite
 from ._attention_rows import ROWS, _axpy1, _axpy4, _dot1, _dot4, _prefetch_row
-from ._attention_softmax import (BLOCK_ADD, BLOCK_HIDDEN, NEG_INF, _block_weights, _live_rows, _mask_block_kind,
-                                 _mask_terms, _score)
+from ._attention_softmax import NEG_INF, _block_mask, _block_weights, _live_rows, _mask_terms, _score
 from ._kernel import kernel
 from ._simd import KERNEL_DTYPES, V8, as_int64, const, load8, loop, splat
 
@@ -178,14 +177,12 @@ def stream_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0,
     k_lines = -(-qs.shape[1] // k_step) if kcs == 1 else 0
     for jb in range(j0, j1 + ROWS, ROWS):
         n = max(0, min(ROWS, j1 - jb))  # 0: the pass after the last block, adding its V rows only
-        terms = mf is not None  # mask terms to add (group_rows' step 0)
-        if mf is not None and n > 0:
-            kind = _mask_block_kind(mf, mbase, mhs, mcs, Hm, h0, G, jb, n)
-            if kind == BLOCK_HIDDEN:
-                # skipped, its K/V rows not read. The pending V rows of the last block scored are added in the
-                # next pass that runs, still before its softmax step, in the same order
-                continue
-            terms = kind == BLOCK_ADD
+        # group_rows' step 0 (the final pass, n == 0, is never skipped: it adds the last block's V rows)
+        hidden, terms = _block_mask(mf, mbase, mhs, mcs, Hm, h0, G, jb, n) if n > 0 else (False, False)
+        if hidden:
+            # skipped, its K/V rows not read. The pending V rows of the last block scored are added in the next
+            # pass that runs, still before its softmax step, in the same order
+            continue
         if terms:
             _mask_terms(cur, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb)
         n_cur = _live_rows(cur, 0, G, n, not terms, NEG_INF, cur_rows)
