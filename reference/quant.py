@@ -6,8 +6,8 @@ the scale ``d``, its inverse and the scaled values are float32 (float16 input is
 stored ``d`` is ``d`` rounded to float16 (nearest even). The bytes then equal ggml's and the ``gguf`` package's.
 
     q8_0: d = amax / 127;  q[j] = roundf(x[j] · (1/d))      (half away from zero; d == 0: all zero)
-    q4_0: d = m / -8, m the value of largest magnitude (the first on ties);
-          q[j] = min(15, trunc(x[j] · (1/d) + 8.5))           (d == 0: every q is 8, the value 0)
+    q4_0: d = m / -8, m the value of largest magnitude (the first on ties; +0 for a block of zeros, so its
+          d is -0.0); q[j] = min(15, trunc(x[j] · (1/d) + 8.5))  (d == 0: every q is 8, the value 0)
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ def quantize(x: np.ndarray, qtype: str) -> Quantized:
     else:
         first = np.argmax(np.abs(blocks), axis=1) if blocks.size else np.zeros(0, np.int64)
         m = blocks[np.arange(blocks.shape[0]), first]
+        m = np.where(m == 0, _F32(0.0), m)  # ggml starts m at +0 and keeps it for a block of zeros (of any sign)
         d = (m / _F32(-8.0)).astype(_F32)
         scaled = blocks * _inverse(d)[:, None]
         q = np.minimum(15, np.trunc(scaled + _F32(8.5))).astype(np.uint8)
