@@ -33,13 +33,16 @@ sink) gives exact zeros.
 
 The pieces live by job: ``_attention_rows`` (the register-block dot products and V updates), ``_attention_softmax``
 (mask terms, block weights, finalize), ``_attention_nonfinite`` (V rows holding inf/NaN under per-head masks),
-``_attention_stream`` (float32 decode with K and V read side by side) and ``_attention_layout`` (flat views).
+``_attention_stream`` (float32 decode with K and V read side by side), ``_attention_layout`` (flat views) and
+``_attention_quantized`` (Q8_0 / Q4_0 K/V: each block's rows widened once into a float32 scratch, then the same
+steps on it).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ._attention_nonfinite import _any_mixed_nonfinite, _sanitised_block
+from ._attention_quantized import block_rows, row_elements, row_scratch
 from ._attention_rows import ROWS, _axpy1, _axpy4, _axpy4x2, _axpy4x4, _dot1, _dot4, _dot4x2, _prefetch_row
 from ._attention_softmax import NEG_INF, _block_mask, _block_weights, _live_rows, _mask_terms, _score
 from ._attention_stream import stream_if_float32
@@ -73,8 +76,8 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
     (G * DV,) float32. ``scratch`` = (sc (G, ROWS) float32, rows (ROWS,) int64). ``streaming``: the rows are read
     this once (decode), not again for other query rows: float32 K/V then take ``stream_rows``.
     """
-    kf, kbase, krs, kcs = k_rows
-    vf, vbase, vrs, vcs = v_rows
+    kq, kbase_q, krs_q, kcs_q = k_rows  # as stored (quantized K/V: bytes, see _attention_quantized)
+    vq, vbase_q, vrs_q, vcs_q = v_rows
     mbase, mhs, mcs, Hm = mask_at
     M, S, A = state
     sc, rows = scratch
@@ -82,16 +85,22 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
                                        scratch):
         return
     G = qs.shape[0]
+    DK = qs.shape[1]
     DV = A.shape[0] // G
     # a per-head mask can hide a row from some heads of a register block and not others ("mixed" rows)
     per_head = mf is not None and Hm > 1
-    # software prefetch of rows adjacent in memory (column stride 1) PREFETCH_K / _V bytes ahead
-    k_step = 64 // kf.itemsize
-    v_step = 64 // vf.itemsize
-    k_lines = -(-qs.shape[1] // k_step) if kcs == 1 else 0
-    v_lines = -(-DV // v_step) if vcs == 1 else 0
-    k_ahead = max(ROWS, PREFETCH_K // (qs.shape[1] * kf.itemsize))
-    v_ahead = max(ROWS, PREFETCH_V // (DV * vf.itemsize))
+    # software prefetch of rows adjacent in memory (column stride 1) PREFETCH_K / _V bytes ahead, in the rows as
+    # stored
+    k_row = row_elements(kq, DK)
+    v_row = row_elements(vq, DV)
+    k_step = 64 // kq.itemsize
+    v_step = 64 // vq.itemsize
+    k_lines = -(-k_row // k_step) if kcs_q == 1 else 0
+    v_lines = -(-v_row // v_step) if vcs_q == 1 else 0
+    k_ahead = max(ROWS, PREFETCH_K // (k_row * kq.itemsize))
+    v_ahead = max(ROWS, PREFETCH_V // (v_row * vq.itemsize))
+    # quantized K/V: the block's rows widened to float32, K's then V's in the same scratch (one L1-sized block)
+    widened = row_scratch(kq, DK, vq, DV)
     for jb in range(j0, j1, ROWS):
         n = min(ROWS, j1 - jb)
         # 0. the block's mask: hidden from every head (skipped, K/V not read), all 0 (no terms) or terms to add
@@ -101,6 +110,8 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
         # 1. mask terms (the scores start from them; without terms the scores are assigned, not added)
         if terms:
             _mask_terms(sc, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb)
+        # quantized K: the rows some head scores, widened once for the whole group (float K: read in place)
+        kf, kbase, krs, kcs = block_rows(k_rows, DK, jb, sc, n, not terms, NEG_INF, rows, widened)
         # 2. scores, the group's heads in register blocks against pairs of K rows
         g = 0
         while g < G:
@@ -113,10 +124,10 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
                     r2 = rows[x + 1]
                     if g == 0:
                         # spread over the first head block's dot products (see PREFETCH_K)
-                        _prefetch_row(kf, kbase + (jb + k_ahead + r1) * krs, k_lines, k_step)
-                        _prefetch_row(kf, kbase + (jb + k_ahead + r2) * krs, k_lines, k_step)
-                        _prefetch_row(vf, vbase + (jb + v_ahead + r1) * vrs, v_lines, v_step)
-                        _prefetch_row(vf, vbase + (jb + v_ahead + r2) * vrs, v_lines, v_step)
+                        _prefetch_row(kq, kbase_q + (jb + k_ahead + r1) * krs_q, k_lines, k_step)
+                        _prefetch_row(kq, kbase_q + (jb + k_ahead + r2) * krs_q, k_lines, k_step)
+                        _prefetch_row(vq, vbase_q + (jb + v_ahead + r1) * vrs_q, v_lines, v_step)
+                        _prefetch_row(vq, vbase_q + (jb + v_ahead + r2) * vrs_q, v_lines, v_step)
                     s0, s1, s2, s3, t0, t1, t2, t3 = _dot4x2(qs, g, kf, kbase + (jb + r1) * krs,
                                                              kbase + (jb + r2) * krs, kcs)
                     _score(sc, g, r1, s0, scale, softcap, not terms)
@@ -139,12 +150,14 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
                 for x in range(n_live):
                     r1 = rows[x]
                     if g == 0:
-                        _prefetch_row(kf, kbase + (jb + k_ahead + r1) * krs, k_lines, k_step)
-                        _prefetch_row(vf, vbase + (jb + v_ahead + r1) * vrs, v_lines, v_step)
+                        _prefetch_row(kq, kbase_q + (jb + k_ahead + r1) * krs_q, k_lines, k_step)
+                        _prefetch_row(vq, vbase_q + (jb + v_ahead + r1) * vrs_q, v_lines, v_step)
                     _score(sc, g, r1, _dot1(qs, g, kf, kbase + (jb + r1) * krs, kcs), scale, softcap, not terms)
             g += width
         # 3. per head: rescale to the new max, turn scores into weights
         _block_weights(sc, n, M, S, A)
+        # quantized V: the rows some head weighs, widened once for the whole group
+        vf, vbase, vrs, vcs = block_rows(v_rows, DV, jb, sc, n, mf is None, np.float32(0.0), rows, widened)
         # 4. A += p v, same head blocks, V rows by fours then pairs
         g = 0
         while g < G:

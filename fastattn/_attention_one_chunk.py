@@ -38,7 +38,7 @@ STRIDED = (0, 1, 2, 3, 8)
 def _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, u):
     B, Hq, Nq, DK = q.shape
     Bk, Hkv, Nkv = k.shape[0], k.shape[1], k.shape[2]
-    DV = v.shape[3]
+    DV = out.shape[3]  # v's last axis counts bytes when V is quantized
     qf, qo, qst = flat4(q)
     kf, ko, kst = flat4(k)
     vf, vo, vst = flat4(v)
@@ -94,16 +94,16 @@ def _parallel(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, next_uni
 
 def run_one_chunk(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     """Fill ``out`` (B, Nq, Hq, DV) float32 with attention over q (B, Hq, Nq, DK) float32, k/v kernel views
-    (Bk, Hkv, Nkv, DK|DV), mask None or a kernel view (Bm, Hm, Nm, Nkv), slopes (Hq,) float32, sinks None or
-    (Hq,) float32; scale and softcap Python floats (softcap 0 = off). Every input may be strided."""
+    (Bk, Hkv, Nkv, DK|DV) (quantized: their bytes, ``_attention_quantized.kv_view``), mask None or a kernel view
+    (Bm, Hm, Nm, Nkv), slopes (Hq,) float32, sinks None or (Hq,) float32; scale and softcap Python floats
+    (softcap 0 = off). Every input may be strided."""
     B, Hq, Nq, DK = q.shape
     Hkv, Nkv = k.shape[1], k.shape[2]
-    DV = v.shape[3]
     if sinks is None:
         sinks = no_sinks(Hq)
     sinks = np.ascontiguousarray(sinks)  # Hq floats: contiguous keeps one specialisation
     # Each query row streams the whole K and V of its KV head (from cache after the first rows).
-    nbytes = B * Nq * Hkv * Nkv * (DK * k.itemsize + DV * v.itemsize)
+    nbytes = B * Nq * Hkv * Nkv * (k.shape[3] * k.itemsize + v.shape[3] * v.itemsize)
     n_threads = _threads.threads_for(nbytes)
     args = (element_strides(q), element_strides(k), element_strides(v),
             None if mask is None else element_strides(mask), slopes, sinks, np.float32(scale), np.float32(softcap),

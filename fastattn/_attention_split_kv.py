@@ -175,8 +175,9 @@ def _parallel(q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, A
 
 def run_split_kv(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     """Decode attention into ``out`` (B, 1, Hq, DV) float32: q (B, Hq, 1, DK) float32, k/v kernel views
-    (Bk, Hkv, Nkv, DK|DV), mask None or a kernel view (Bm, Hm, Nm, Nkv), slopes (Hq,) float32, sinks None or
-    (Hq,) float32; scale and softcap Python floats (softcap 0 = off). Every input may be strided.
+    (Bk, Hkv, Nkv, DK|DV) (quantized: their bytes, ``_attention_quantized.kv_view``), mask None or a kernel view
+    (Bm, Hm, Nm, Nkv), slopes (Hq,) float32, sinks None or (Hq,) float32; scale and softcap Python floats
+    (softcap 0 = off). Every input may be strided.
 
     Raises ValueError (before writing anything) when Nq != 1.
     """
@@ -184,13 +185,13 @@ def run_split_kv(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     if Nq != 1:
         raise ValueError(f"path 'split_kv' is for decode: q must have Nq = 1 query row, got q.shape {q.shape}")
     Hkv, Nkv = k.shape[1], k.shape[2]
-    DV = v.shape[3]
+    DV = out.shape[3]  # v's last axis counts bytes when V is quantized
     if sinks is None:
         sinks = no_sinks(Hq)
     sinks = np.ascontiguousarray(sinks)  # Hq floats: contiguous keeps one specialisation
     n_chunks, rows = chunking(Nkv)
     Mp, Sp, Ap = _partials(B, Hkv, n_chunks, Hq // Hkv, DV)
-    nbytes = B * Hkv * Nkv * (DK * k.itemsize + DV * v.itemsize)
+    nbytes = B * Hkv * Nkv * (k.shape[3] * k.itemsize + v.shape[3] * v.itemsize)
     n_threads = _threads.threads_for(nbytes)
     args = (element_strides(q), element_strides(k), element_strides(v),
             None if mask is None else element_strides(mask), slopes, sinks, np.float32(scale), np.float32(softcap),

@@ -8,7 +8,8 @@ Work is cut into tasks (batch b, KV head g, block of query heads, Q tile). A tas
     for each KV tile of the task:
         heads whose mask block is all -inf skip the tile (causal prefill: about half the tiles); if all do,
         nothing is read
-        widen the K and V tiles to float32 scratch once, for every head of the task
+        widen (or dequantize: _attention_quantized.widen_row) the K and V tiles to float32 scratch once, for
+        every head of the task
         for each live head, over the live KV rows lo .. hi only:
             Sᵀ = K_tile · Q_hᵀ                      6 x 16 register-blocked block product
             s  = scale·S, softcap·tanh(s/softcap), + slope·mask        (the reference's order)
@@ -44,6 +45,7 @@ from numba import prange
 from . import _threads
 from ._attention_tiled_products import (BLOCK_COLS, BLOCK_ROWS, _block_scores, _block_values, _fma,
                                        _values_skipping_zeros)
+from ._attention_quantized import widen_row
 from ._kernel import assume_contiguous, call_any_layout, fast_exp, fetch_add, kernel, to_f32
 
 #: Query rows of one head per tile (a multiple of both register-block dimensions, 6 and 16).
@@ -62,25 +64,6 @@ BYTES_PER_FLOP = 0.25
 
 _NEG_INF = np.float32(-np.inf)
 _INF = np.float32(np.inf)
-
-
-@kernel
-def _widen_row(src, dst):
-    """dst[:n] = float32(src) for a row of any layout; contiguous rows take the vectorised loop. Returns whether
-    the row holds an inf or NaN (a comparison: fast-math folds sums like acc + (x - x) to acc)."""
-    bad = False
-    if src.strides[0] == src.itemsize:
-        contiguous = assume_contiguous(src)
-        for d in range(src.shape[0]):
-            x = to_f32(contiguous[d])
-            dst[d] = x
-            bad |= not abs(x) < _INF
-    else:
-        for d in range(src.shape[0]):
-            x = to_f32(src[d])
-            dst[d] = x
-            bad |= not abs(x) < _INF
-    return bad
 
 
 MASK_SKIP, MASK_ZERO, MASK_ADD = 0, 1, 2  # a mask block: all -inf / all 0 / anything else
@@ -146,7 +129,7 @@ def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, soft
     """One task: Q rows i0 .. i0+Q_TILE of query heads h_first .. h_first+n_heads (all of KV head g)."""
     B, Hq, Nq, DK = q.shape
     Bk, Hkv, Nkv, _ = k.shape
-    DV = v.shape[3]
+    DV = out.shape[3]  # v's last axis counts bytes when V is quantized
     dv_pad = vs.shape[1]
     nq = min(Q_TILE, Nq - i0)
     q_tile = i0 // Q_TILE
@@ -194,8 +177,8 @@ def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, soft
         # Widen the K and V tiles once for every head of the task; note a non-finite V row.
         v_finite = True
         for jj in range(nk):
-            _widen_row(k_plane[j0 + jj], ks[jj])
-            if _widen_row(v_plane[j0 + jj], vs[jj]):
+            widen_row(k_plane[j0 + jj], ks[jj])
+            if widen_row(v_plane[j0 + jj], vs[jj]):
                 v_finite = False
 
         loaded_plane = -1  # the mask plane whose block is in mt (one for every head when the mask has one head)
@@ -359,12 +342,13 @@ def run_tiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     """Fill ``out`` (B, Nq, Hq, DV) float32 with attention computed tile by tile.
 
     q (B, Hq, Nq, DK) float32; k (Bk, Hkv, Nkv, DK), v (Bk, Hkv, Nkv, DV) kernel views (float32, uint16 float16
-    bits, int16 bfloat16 bits); mask None or a (Bm, Hm, Nm >= Nq, Nkv) kernel view (float32 / uint16);
+    bits, int16 bfloat16 bits, or the bytes of Q8_0 / Q4_0 rows: ``_attention_quantized.kv_view``); mask None or
+    a (Bm, Hm, Nm >= Nq, Nkv) kernel view (float32 / uint16);
     slopes (Hq,) float32; sinks None or (Hq,) float32; every argument may be strided (nothing is copied).
     """
     B, Hq, Nq, DK = q.shape
     Bk, Hkv, Nkv, _ = k.shape
-    DV = v.shape[3]
+    DV = out.shape[3]
     group = Hq // Hkv
     heads = min(group, HEADS_PER_TASK)
     n_tasks = B * Hkv * -(-group // HEADS_PER_TASK) * -(-Nq // Q_TILE)

@@ -30,10 +30,12 @@ from . import _threads
 from ._args import attention as _args
 from ._attention_layout import no_sinks
 from ._attention_one_chunk import decode_fast, run_one_chunk, splits_decode
+from ._attention_quantized import kv_view
 from ._attention_split_kv import run_split_kv
 from ._attention_tiled import Q_TILE, run_tiled
 from ._dispatch import Route, array_type
 from ._kernel import FLOAT16, FLOAT32, kernel_view
+from ._quantized import Quantized
 
 #: Nkv from which ``auto`` takes split_kv for decode (ggml's threshold).
 SPLIT_KV_MIN_NKV = 512
@@ -44,12 +46,11 @@ _ND = np.ndarray
 _F64 = np.float64  # 1 / np.sqrt(DK): a scale the fast path takes as it is
 
 
-def choose_path(B: int, Nq: int, Hkv: int, Nkv: int, k_dtype: np.dtype, v_dtype: np.dtype,
-                n_threads: int = 1) -> str:
-    """The path ``auto`` takes for these sizes, K/V dtypes and thread count.
+def choose_path(B: int, Nq: int, Hkv: int, Nkv: int, k_dtype, v_dtype, n_threads: int = 1) -> str:
+    """The path ``auto`` takes for these sizes, K/V storage types (a dtype, or "q8_0" / "q4_0") and thread count.
 
-    split_kv for decode (Nq == 1, B == 1, K and V both float32 or both float16, Nkv >= SPLIT_KV_MIN_NKV: ggml's
-    rule) when the (batch, KV head) units are too few to keep the threads busy (fewer than
+    split_kv for decode (Nq == 1, B == 1, K and V of one type among float32, float16 (ggml's rule), q8_0 and q4_0,
+    Nkv >= SPLIT_KV_MIN_NKV) when the (batch, KV head) units are too few to keep the threads busy (fewer than
     ONE_CHUNK_MIN_UNITS_PER_THREAD per thread); tiled when Nq reaches the tiled path's Q tile; one_chunk otherwise.
     """
     if splits_decode(B, Nq, Hkv, Nkv, _split_storage(k_dtype, v_dtype), n_threads, SPLIT_KV_MIN_NKV,
@@ -60,9 +61,24 @@ def choose_path(B: int, Nq: int, Hkv: int, Nkv: int, k_dtype: np.dtype, v_dtype:
     return "one_chunk"
 
 
-def _split_storage(k_dtype: np.dtype, v_dtype: np.dtype) -> bool:
-    """K and V of one storage type split_kv is chosen for (float32 or float16)."""
-    return k_dtype == v_dtype and k_dtype in (FLOAT32, FLOAT16)
+#: The storage types ``auto`` splits decode for: ggml's float32 and float16, and the quantized types (ggml reads
+#: those only on one_chunk; here every path reads them).
+_SPLIT_STORAGES = (FLOAT32, FLOAT16, "q8_0", "q4_0")
+
+
+def _split_storage(k_storage, v_storage) -> bool:
+    """K and V of one storage type split_kv is chosen for."""
+    return k_storage == v_storage and k_storage in _SPLIT_STORAGES
+
+
+def _storage(a):
+    """The storage type of K or V: its dtype, or its qtype when quantized."""
+    return a.qtype if a.__class__ is Quantized else a.dtype
+
+
+def _kv_kernel_view(a):
+    """K or V as the kernels read it: ``kernel_view``, or a quantized array's bytes (``kv_view``)."""
+    return kv_view(a) if a.__class__ is Quantized else kernel_view(a)
 
 
 @functools.lru_cache(maxsize=64)
@@ -85,7 +101,8 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
                    ) -> np.ndarray:
     """softmax(scale·QKᵀ [softcap] + slope·mask, sinks) V; returns ``out`` (B, Nq, Hq, DV) float32.
 
-    q (B, Hq, Nq, DK) float32; k (Bk, Hkv, Nkv, DK) and v (Bk, Hkv, Nkv, DV) float32, float16 or bfloat16, with
+    q (B, Hq, Nq, DK) float32; k (Bk, Hkv, Nkv, DK) and v (Bk, Hkv, Nkv, DV) float32, float16 or bfloat16
+    ndarrays or ``Quantized`` (Q8_0 / Q4_0, D a multiple of 32, read as their dequantized values), with
     Hq % Hkv == 0 and B % Bk == 0; mask float32/float16 with 2 to 4 axes (..., >= Nq rows, Nkv columns), its
     head and batch axes dividing Hq and B (applied modulo, as ggml); ``-inf`` masks. ``max_bias`` > 0 multiplies
     the mask by ggml's ALiBi slope of each head; ``logit_softcap`` > 0 applies softcap·tanh(s/softcap) before the
@@ -112,7 +129,7 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     B, Hq, Nq, _ = q.shape
     Nkv = k.shape[2]
     if a.path == "auto":
-        name = choose_path(B, Nq, k.shape[1], Nkv, k.dtype, v.dtype, _threads.get_num_threads())
+        name = choose_path(B, Nq, k.shape[1], Nkv, _storage(k), _storage(v), _threads.get_num_threads())
     else:
         name = a.path
     if name == "split_kv" and Nq != 1:
@@ -120,11 +137,11 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     result = np.empty(a.out_shape, FLOAT32) if out is None else out
     slopes = _slopes(Hq, a.max_bias)
     if (name == "one_chunk" and Nq == 1 and mask is None and sinks is None and a.max_bias == 0.0
-            and a.logit_softcap == 0.0 and _decode_route.run(
+            and a.logit_softcap == 0.0 and k.__class__ is _ND and v.__class__ is _ND and _decode_route.run(
                 (k.dtype, v.dtype), q, k, v, result, slopes, no_sinks(Hq), a.scale, False, SPLIT_KV_MIN_NKV,
                 ONE_CHUNK_MIN_UNITS_PER_THREAD, _threads.PARALLEL_MIN_BYTES, _threads.get_num_threads())):
         return result
-    _runner(name)(q, kernel_view(k), kernel_view(v), None if a.mask is None else kernel_view(a.mask), slopes,
+    _runner(name)(q, _kv_kernel_view(k), _kv_kernel_view(v), None if a.mask is None else kernel_view(a.mask), slopes,
                   a.sinks, a.scale, a.logit_softcap, result)
     return result
 

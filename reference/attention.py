@@ -18,6 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from fastattn._args import attention as args_attention
+from fastattn._quantized import Quantized
+
+from .quant import dequantize
 
 FLOAT64 = np.dtype(np.float64)
 
@@ -28,7 +31,8 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
                    ) -> np.ndarray:
     """softmax(scale·QKᵀ [softcap] + slope·mask, sinks) V, in float64; returns float32 (or fills ``out``).
 
-    q (B, Hq, Nq, DK) float32; k (Bk, Hkv, Nkv, DK), v (Bk, Hkv, Nkv, DV) float32/float16/bfloat16;
+    q (B, Hq, Nq, DK) float32; k (Bk, Hkv, Nkv, DK), v (Bk, Hkv, Nkv, DV) float32/float16/bfloat16 or
+    ``Quantized`` (Q8_0 / Q4_0: their dequantized values);
     mask broadcastable as ggml (..., >= Nq rows, Nkv columns); sinks (Hq,) float32; ``path`` is accepted
     for signature parity with ``fastattn.flash_attn_ext`` and ignored. ``out`` (B, Nq, Hq, DV) float32 or float64.
     """
@@ -36,6 +40,8 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
                              out_dtypes=(np.float32, np.float64))
     B, Hq, Nq, _ = q.shape
     Bk, Hkv = k.shape[:2]
+    k = dequantize(k) if isinstance(k, Quantized) else k
+    v = dequantize(v) if isinstance(v, Quantized) else v
     slopes = args_attention.alibi_slopes(Hq, a.max_bias)
     result = np.zeros(a.out_shape, FLOAT64)
     with np.errstate(invalid="ignore"):  # NaN and inf inputs give NaN quietly, as in the kernels

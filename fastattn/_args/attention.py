@@ -7,6 +7,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _validate as v
+from .._quantized import Quantized
 
 PATHS = ("auto", "one_chunk", "tiled", "split_kv")
 #: The kernels compute in float32: scalars beyond its range would turn into inf there (NaN or zero outputs).
@@ -17,8 +18,8 @@ SOFTCAP_MIN = float(np.finfo(np.float32).smallest_subnormal)
 
 class AttentionArgs(NamedTuple):
     q: np.ndarray  # (B, Hq, Nq, DK) float32
-    k: np.ndarray  # (Bk, Hkv, Nkv, DK) float32 / float16 / bfloat16
-    v: np.ndarray  # (Bk, Hkv, Nkv, DV)
+    k: np.ndarray | Quantized  # (Bk, Hkv, Nkv, DK) float32 / float16 / bfloat16, or Q8_0 / Q4_0 blocks
+    v: np.ndarray | Quantized  # (Bk, Hkv, Nkv, DV)
     mask: np.ndarray | None  # (Bm, Hm, Nm, Nkv) float32 / float16: always 4-D here (a view, no copy)
     scale: float
     max_bias: float
@@ -31,8 +32,8 @@ class AttentionArgs(NamedTuple):
 
 def parse(q, k, vv, mask, scale, max_bias, logit_softcap, sinks, path, out, *, out_dtypes) -> AttentionArgs:
     v.array("q", q, dtypes=(v.FLOAT32,), ndim=4)
-    v.array("k", k, dtypes=v.STORAGE_FLOATS, ndim=4)
-    v.array("v", vv, dtypes=v.STORAGE_FLOATS, ndim=4)
+    _kv_array("k", k)
+    _kv_array("v", vv)
     B, Hq, Nq, DK = q.shape
     Bk, Hkv, Nkv, DKk = k.shape
     DV = vv.shape[3]
@@ -87,10 +88,27 @@ def parse(q, k, vv, mask, scale, max_bias, logit_softcap, sinks, path, out, *, o
                              f"{out.shape}, torch's (B, H, N, D) output layout; pass out.transpose(0, 2, 1, 3), "
                              f"a view that writes the same array")
         v.out_array("out", out, shape=out_shape, dtypes=out_dtypes)
-        for name, a in (("q", q), ("k", k), ("v", vv), ("mask", mask), ("sinks", sinks)):
+        for name, a in (("q", q), ("k", _memory(k)), ("v", _memory(vv)), ("mask", mask), ("sinks", sinks)):
             if a is not None and np.may_share_memory(out, a):
                 raise ValueError(f"out must not overlap {name}")
     return AttentionArgs(q, k, vv, mask, scale, max_bias, logit_softcap, sinks, path, out, out_shape)
+
+
+def _kv_array(name: str, a) -> None:
+    """K or V: a 4-axis float32/float16/bfloat16 ndarray, or a ``Quantized`` of 4 logical axes."""
+    if isinstance(a, Quantized):
+        if a.ndim != 4:
+            raise ValueError(f"{name} must have 4 axes (Bk, Hkv, Nkv, D), got the Quantized shape {a.shape}")
+        return
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray of {' or '.join(map(str, v.STORAGE_FLOATS))} or a "
+                        f"fastattn.Quantized, got {type(a).__name__}")
+    v.array(name, a, dtypes=v.STORAGE_FLOATS, ndim=4)
+
+
+def _memory(a):
+    """The array holding ``a``'s memory (a ``Quantized``'s bytes)."""
+    return a.data if isinstance(a, Quantized) else a
 
 
 def _token_major_hint(q: np.ndarray, k: np.ndarray) -> str:
