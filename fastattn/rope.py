@@ -32,9 +32,11 @@ import numpy as np
 
 from . import _threads
 from ._args import rope as _args
-from ._kernel import kernel_view
+from ._kernel import call_any_layout, kernel_view
+from ._quantized import QTYPE_CODES, Quantized
 from ._rope_cache import CACHE_BLOCK, build_cs
 from ._rope_drivers import drive_fused, drive_parallel, drive_serial
+from ._rope_quantized import rope_quantize_parallel, rope_quantize_serial
 from ._rope_rotate import token_layout
 from ._rope_routes import CACHED, CACHED_PREFILL, FUSED
 from ._validate import STORAGE_FLOATS
@@ -171,6 +173,20 @@ def _write_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, params: _args.
                     table.cos_scale, table.sin_scale, interleaved, False, layout, next_task, n_threads)
 
 
+def _write_quantized(dst: Quantized, data3: np.ndarray, x: np.ndarray, idx: np.ndarray, cs: np.ndarray,
+                     params: _args.RopeParams) -> None:
+    """Rotate x's rows (N, H, D) and quantize them into rows idx of a quantized cache (``_rope_quantized``);
+    ``data3`` its bytes as (R, H, bytes per head row)."""
+    n_tokens = x.shape[0]
+    xk = kernel_view(x)
+    layout = token_layout(xk, np.empty((1, x.shape[1], x.shape[2]), np.float32))  # into a C scratch
+    nbytes = x.nbytes + x.size
+    parallel = n_tokens > 1 and _threads.threads_for(nbytes) > 1
+    keep = _last_of_duplicates(idx) if parallel else np.ones(n_tokens, np.bool_)
+    call_any_layout(rope_quantize_parallel if parallel else rope_quantize_serial, (0, 1, 2), xk, data3, idx, keep,
+                    cs, params.pairing[0], params.pairing[1], layout, QTYPE_CODES[dst.qtype])
+
+
 def _fused_fits(x: np.ndarray, pos: np.ndarray, params: _args.RopeParams) -> bool:
     """A parsed call the route ``rope.fused`` may take: 3-D x of two cache blocks of tokens or more, one stream
     of int32 positions (NORMAL or NEOX: the other modes' sections need four)."""
@@ -267,9 +283,10 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
                   backward: bool = False) -> np.ndarray:
     """Fused ``set_rows(dst, rope_ext(x, pos, ...), idx)``: rotate K rows and write them into a KV cache.
 
-    dst: (R, H, D) or (R, H·D) float32 / float16 / bfloat16 cache (token-major). x: (N, H, D) float32 or
-    float16, any strides. idx: int32/int64 (N,) rows of ``dst``, each in [0, R) (else ValueError, nothing
-    written); duplicates: the last wins. Returns ``dst``."""
+    dst: (R, H, D) or (R, H·D) float32 / float16 / bfloat16 cache (token-major), or a ``Quantized`` one of that
+    logical shape (Q8_0 / Q4_0, D a multiple of 32: each head row quantized as ``set_rows`` does). x: (N, H, D)
+    float32 or float16, any strides. idx: int32/int64 (N,) rows of ``dst``, each in [0, R) (else ValueError,
+    nothing written); duplicates: the last wins. Returns ``dst``."""
     if (sections is None and dst.__class__ is _ND and x.__class__ is _ND and pos.__class__ is _ND
             and idx.__class__ is _ND and x.ndim == 3 and pos.ndim == 1 and pos.dtype is _INT32 and idx.ndim == 1
             and x.shape[0] >= 2 * CACHE_BLOCK and dst.flags.writeable):
@@ -287,6 +304,9 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
     streams = _args.parse_pos(pos, params, x.shape[0])
     if x.shape[0] == 0:
         return dst
+    if dst.__class__ is Quantized:
+        _write_quantized(dst, dst3, x, idx, build_cs(streams, params), params)
+        return dst
     key = (x.dtype, dst.dtype, dst.ndim, idx.dtype)
     if x.size * (x.itemsize + dst.itemsize) < _threads.PARALLEL_MIN_BYTES:
         cs = build_cs(streams, params)
@@ -301,7 +321,8 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
 
 def apply_rope_cache_set_rows(dst: np.ndarray, x: np.ndarray, cache: RopeCache, idx: np.ndarray) -> np.ndarray:
     """``rope_set_rows`` with a prebuilt ``cache`` (the one a decode step builds once for Q and K): rotate K rows
-    ``x`` (N, H, D) and write them into rows ``idx`` of ``dst`` ((R, H, D) or (R, H·D)). Returns ``dst``."""
+    ``x`` (N, H, D) and write them into rows ``idx`` of ``dst`` ((R, H, D) or (R, H·D), an ndarray or a
+    ``Quantized``). Returns ``dst``."""
     if cache.__class__ is not RopeCache:
         raise _args.cache_error(cache, "fastattn.rope_cache")
     if (x.__class__ is _ND and dst.__class__ is _ND and idx.__class__ is _ND and x.ndim == 3 and idx.ndim == 1
@@ -313,6 +334,10 @@ def apply_rope_cache_set_rows(dst: np.ndarray, x: np.ndarray, cache: RopeCache, 
                                      reads=(("cache", cache.cs),))
     if x.shape[0] != cache.n_tokens:
         raise ValueError(f"x must have one token per cached position: {cache.n_tokens}, got {x.shape[0]}")
+    if dst.__class__ is Quantized:
+        if x.shape[0]:
+            _write_quantized(dst, dst3, x, idx, cache.cs, cache.params)
+        return dst
     small = x.size * (x.itemsize + dst.itemsize) < _threads.PARALLEL_MIN_BYTES
     if x.shape[0] and not (small and CACHED.run((x.dtype, dst.dtype, dst.ndim, idx.dtype), x, dst, idx, cache.cs,
                                                 cache.pairing, _threads.PARALLEL_MIN_BYTES)):

@@ -22,7 +22,10 @@ import numpy as np
 
 from fastattn._args import rope as _args
 from fastattn._modes import RopeMode
+from fastattn._quantized import Quantized
 from fastattn._validate import STORAGE_FLOATS
+
+from .quant import quantize
 
 _DEFAULTS = dict(freq_base=10000.0, freq_scale=1.0, n_ctx_orig=0, ext_factor=0.0, attn_factor=1.0,
                  beta_fast=32.0, beta_slow=1.0, freq_factors=None, sections=None, backward=False)
@@ -190,15 +193,25 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
 def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarray, *, n_dims: int, mode: int,
                   **kwargs) -> np.ndarray:
     """``rope_ext(x)`` (x: (N, H, D)) written into rows ``idx`` of the cache ``dst`` ((R, H, D) or (R, H·D)),
-    converted to ``dst``'s dtype; duplicate indices: the last row wins. Returns ``dst``."""
+    converted to ``dst``'s dtype (a ``Quantized`` dst: quantized from float32, D a multiple of 32); duplicate
+    indices: the last row wins. Returns ``dst``."""
     params = _args.parse_params(n_dims=n_dims, mode=mode, **{**_DEFAULTS, **_known(kwargs)})
     dst3, idx = _args.parse_set_rows(dst, x, idx, params, dst_dtypes=STORAGE_FLOATS,
                                      reads=(("pos", pos), ("freq_factors", kwargs.get("freq_factors"))))
     _args.parse_pos(pos, params, x.shape[0])
     rotated = rope_ext(x, pos, n_dims=n_dims, mode=mode, out=np.empty(x.shape), **kwargs)
-    for i, row in enumerate(idx):  # in order, so the last of duplicate indices wins
-        dst3[row] = rotated[i]  # rounded once, float64 -> dst's dtype
+    _write(dst, dst3, rotated, idx)
     return dst
+
+
+def _write(dst, dst3: np.ndarray, rotated: np.ndarray, idx: np.ndarray) -> None:
+    """dst3[idx[i]] = rotated[i] in order (the last of duplicate indices wins), rounded once from float64 to
+    dst's dtype; a ``Quantized`` dst (dst3 its bytes) gets each head row quantized from its float32 values, as
+    ``set_rows`` would write ``rope_ext``'s float32 output."""
+    if isinstance(dst, Quantized):
+        rotated = quantize(rotated.astype(np.float32), dst.qtype).data
+    for i, row in enumerate(idx):
+        dst3[row] = rotated[i]
 
 
 def apply_rope_cache_set_rows(dst: np.ndarray, x: np.ndarray, cache: RopeCache, idx: np.ndarray) -> np.ndarray:
@@ -210,6 +223,5 @@ def apply_rope_cache_set_rows(dst: np.ndarray, x: np.ndarray, cache: RopeCache, 
     if x.shape[0] != cache.cos.shape[0]:
         raise ValueError(f"x must have one token per cached position: {cache.cos.shape[0]}, got {x.shape[0]}")
     rotated = apply_rope_cache(x, cache, out=np.empty(x.shape))
-    for i, row in enumerate(idx):  # in order, so the last of duplicate indices wins
-        dst3[row] = rotated[i]
+    _write(dst, dst3, rotated, idx)
     return dst

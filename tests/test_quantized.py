@@ -174,3 +174,62 @@ def test_bad_input_raises_and_writes_nothing(ops):
         ops.quantize(np.ones((2, 64), np.float32), "q8_1")
     with pytest.raises(TypeError, match="fastattn.Quantized"):
         ops.dequantize(data)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rope_set_rows into a quantized cache: the bytes of rope_ext followed by set_rows.
+@given(qtype=st.sampled_from(QTYPES), x_dtype=st.sampled_from((np.float32, np.float16)),
+       mode=st.sampled_from((fastattn.ROPE_NORMAL, fastattn.ROPE_NEOX)), d=st.sampled_from((32, 64, 128)),
+       partial=st.booleans(), flat=st.booleans(), prebuilt=st.booleans(), n=st.integers(0, 40),
+       rows=st.integers(1, 50), threads=st.sampled_from((1, 2)), seed=seeds)
+def test_rope_set_rows_into_quantized_is_rope_then_set_rows(qtype, x_dtype, mode, d, partial, flat, prebuilt, n,
+                                                            rows, threads, seed):
+    rng = np.random.default_rng(seed)
+    h = 2
+    x = (rng.standard_normal((n, h, d + 8)) * 3).astype(x_dtype)[:, :, 4:4 + d]  # a strided view
+    pos = rng.integers(0, 100_000, n).astype(np.int32)
+    idx = rng.integers(0, rows, n).astype(np.int64)  # duplicates likely: the last one wins
+    kwargs = dict(n_dims=d // 2 if partial else d, mode=mode, freq_base=500000.0)
+    shape = (rows, h * d) if flat else (rows, h, d)
+    start = fastattn.quantize(rng.standard_normal(shape).astype(np.float32), qtype)
+    fused = fastattn.Quantized(start.data.copy(), qtype)
+    with parallel_min_bytes(0 if threads == 2 else 1 << 40), fastattn.num_threads(threads):
+        if prebuilt:
+            assert fastattn.apply_rope_cache_set_rows(fused, x, fastattn.rope_cache(pos, **kwargs), idx) is fused
+        else:
+            assert fastattn.rope_set_rows(fused, x, pos, idx, **kwargs) is fused
+    unfused = fastattn.Quantized(start.data.reshape(rows, -1).copy(), qtype)
+    if n:
+        # float32 rotated values (float16 x widens exactly; rope_ext would round its output to float16)
+        fastattn.set_rows(unfused, fastattn.rope_ext(x.astype(np.float32), pos, **kwargs).reshape(n, h * d), idx)
+    assert fused.data.tobytes() == unfused.data.tobytes()
+    # the reference quantizes its float64 rotation rounded to float32: at most a last-bit difference in the
+    # rotated values, so a block may round one of its values (or its scale) to the neighbouring step
+    expected = reference.rope_set_rows(fastattn.Quantized(start.data.copy(), qtype), x, pos, idx, **kwargs)
+    got_values = fastattn.dequantize(fused).reshape(rows, h, d // 32, 32)
+    ref_values = reference.dequantize(expected).reshape(rows, h, d // 32, 32)
+    step = np.maximum(np.abs(got_values).max(axis=-1, keepdims=True), 1e-30) / (127 if qtype == "q8_0" else 7)
+    assert (np.abs(got_values - ref_values) <= 1.01 * step).all()
+
+
+@pytest.mark.parametrize("ops", [fastattn, reference], ids=["fast", "reference"])
+def test_rope_set_rows_into_quantized_rejects_bad_input(ops):
+    rng = np.random.default_rng(0)
+    cache = fastattn.quantize(np.zeros((8, 2, 64), np.float32), "q8_0")
+    before = cache.data.copy()
+    x = rng.standard_normal((3, 2, 64)).astype(np.float32)
+    pos = np.arange(3, dtype=np.int32)
+    kwargs = dict(n_dims=64, mode=fastattn.ROPE_NEOX)
+    with pytest.raises(ValueError, match=r"idx values must be in \[0, 8\)"):
+        ops.rope_set_rows(cache, x, pos, np.array([0, 8, 1]), **kwargs)
+    with pytest.raises(ValueError, match="dst must have shape"):
+        ops.rope_set_rows(cache, x[:, :1], pos, np.arange(3), **kwargs)
+    flat = fastattn.quantize(np.zeros((8, 64), np.float32), "q4_0")  # (R, H·D) with D = 16: blocks span heads
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ops.rope_set_rows(flat, rng.standard_normal((3, 4, 16)).astype(np.float32), pos, np.arange(3),
+                          n_dims=16, mode=fastattn.ROPE_NEOX)
+    readonly = fastattn.Quantized(cache.data.copy(), "q8_0")
+    readonly.data.flags.writeable = False
+    with pytest.raises(ValueError, match="writeable"):
+        ops.rope_set_rows(readonly, x, pos, np.arange(3), **kwargs)
+    assert cache.data.tobytes() == before.tobytes()

@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import _rope_pairs, _validate
 from .._modes import RopeMode
+from .._quantized import BLOCK, BLOCK_BYTES, Quantized
 
 #: Modes whose positions come as four streams (t, h, w, e) and that need ``sections``.
 MULTI_MODES = (RopeMode.MROPE, RopeMode.IMROPE, RopeMode.VISION)
@@ -245,31 +246,41 @@ def parse_set_rows(dst, x, idx, params: RopeParams, *, dst_dtypes, reads: tuple 
     """``dst`` (R, H, D) or (R, H·D) cache; ``x`` (N, H, D); ``idx`` (N,) int32/int64 in [0, R). ``reads``:
     (name, array) pairs of the other inputs (positions, tables); ``dst`` may overlap none of them, nor x or idx.
 
-    Returns ``dst`` as an (R, H, D) view (no copy) and ``idx``."""
+    Returns ``dst`` as an (R, H, D) view (no copy) and ``idx``. A ``Quantized`` dst (logical (R, H, D) or
+    (R, H·D), D a multiple of 32) is returned as its bytes, an (R, H, D / 32 · block bytes) view."""
     _validate.array("x", x, dtypes=X_DTYPES, ndim=3)
     n, h, d = x.shape
     params.check_head_dim("x", d)
-    _validate.array("dst", dst, dtypes=dst_dtypes)
-    if not dst.flags.writeable:
+    if isinstance(dst, Quantized):
+        if d % BLOCK:
+            raise ValueError(f"x's head size D must be a multiple of {BLOCK} to write whole blocks of a Quantized "
+                             f"dst, got x.shape {x.shape}")
+        memory = dst.data
+        width = d // BLOCK * BLOCK_BYTES[dst.qtype]  # one head row's bytes
+    else:
+        _validate.array("dst", dst, dtypes=dst_dtypes)
+        memory = dst
+        width = d
+    if not memory.flags.writeable:
         raise ValueError("dst must be writeable")
     if dst.ndim == 3:
         if dst.shape[1:] != (h, d):
             raise ValueError(f"dst must have shape (R, {h}, {d}) or (R, {h * d}) for x of shape {x.shape}, "
                              f"got {dst.shape}")
-        dst3 = dst
+        dst3 = memory
     elif dst.ndim == 2:
         if dst.shape[1] != h * d:
             raise ValueError(f"dst must have shape (R, {h}, {d}) or (R, {h * d}) for x of shape {x.shape}, "
                              f"got {dst.shape}")
         try:
-            dst3 = dst.reshape(dst.shape[0], h, d, copy=False)
+            dst3 = memory.reshape(memory.shape[0], h, width, copy=False)
         except ValueError:
             raise ValueError("dst's rows must be splittable into (H, D) without a copy (a contiguous row axis)"
                              ) from None
     else:
         raise ValueError(f"dst must have 2 or 3 axes ((R, H·D) or (R, H, D)), got shape {dst.shape}")
     _validate.array("idx", idx, dtypes=_validate.INDEX_INTS, ndim=1)
-    _validate.disjoint("dst", dst, ("x", x), ("idx", idx), *reads)
+    _validate.disjoint("dst", memory, ("x", x), ("idx", idx), *reads)
     if idx.shape[0] != n:
         raise ValueError(f"idx must have one row index per token: {n}, got {idx.shape[0]}")
     rows = dst3.shape[0]
