@@ -24,6 +24,7 @@ from . import _layout, _threads
 from ._kernel import (_f16_bits_to_f32, _f32_to_f16_bits, assume_contiguous, call_any_layout, kernel, kernel_view,
                       to_f32)
 from ._quantized import BLOCK, BLOCK_BYTES, QTYPE_CODES, Quantized, quantized_array, values_array
+from ._simd import KERNEL_DTYPES, LANES, V8, as_int64, const, load8, splat
 
 Q8_0 = QTYPE_CODES["q8_0"]
 Q4_0 = QTYPE_CODES["q4_0"]
@@ -85,6 +86,49 @@ def _q8_0_block(x, j0, out, o):
         out[o + 2 + j] = np.uint8(np.int32(r) & 0xFF)
 
 
+def _q8_0_vector_codegen(context, builder, signature, llargs):
+    x = context.make_array(signature.args[0])(context, builder, llargs[0])
+    out = context.make_array(signature.args[2])(context, builder, llargs[2])
+    j0 = as_int64(context, builder, llargs[1], signature.args[1])
+    o = as_int64(context, builder, llargs[3], signature.args[3])
+    i32, v8_i32 = ir.IntType(32), ir.VectorType(ir.IntType(32), LANES)
+    values = [load8(builder, signature.args[0].dtype, x.data, builder.add(j0, const(LANES * p))) for p in range(4)]
+    magnitude = [builder.and_(builder.bitcast(v, v8_i32), ir.Constant(v8_i32, [0x7FFFFFFF] * LANES)) for v in values]
+
+    def umax(a, b):
+        return builder.select(builder.icmp_unsigned(">", a, b), a, b)
+    top = umax(umax(magnitude[0], magnitude[1]), umax(magnitude[2], magnitude[3]))
+    reduce = builder.module.declare_intrinsic("llvm.vector.reduce.umax.v8i32", (), ir.FunctionType(i32, [v8_i32]))
+    amax = builder.bitcast(builder.call(reduce, [top]), ir.FloatType())
+    f32 = ir.FloatType()
+    d = builder.fdiv(amax, ir.Constant(f32, 127.0))
+    inverse = builder.select(builder.fcmp_ordered("!=", d, ir.Constant(f32, 0.0)),
+                             builder.fdiv(ir.Constant(f32, 1.0), d), ir.Constant(f32, 0.0))
+    base = builder.gep(out.data, [o])
+    scale_bits = builder.bitcast(builder.fptrunc(d, ir.HalfType()), ir.IntType(16))
+    builder.store(scale_bits, builder.bitcast(base, ir.IntType(16).as_pointer()), align=1)
+    round_ = builder.module.declare_intrinsic("llvm.round.v8f32", (), ir.FunctionType(V8, [V8]))
+    v8_i8 = ir.VectorType(ir.IntType(8), LANES)
+    for p, v in enumerate(values):
+        rounded = builder.call(round_, [builder.fmul(v, splat(builder, inverse))])
+        q = builder.trunc(builder.fptosi(rounded, v8_i32), v8_i8)
+        builder.store(q, builder.bitcast(builder.gep(base, [const(2 + LANES * p)]), v8_i8.as_pointer()), align=1)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def _q8_0_block_vector(typingctx, x, j0, out, o):
+    """``_q8_0_block`` for a C-contiguous row x (float32, float16 or bfloat16 bits) in explicit 8-wide vectors, with
+    the same IEEE operations (no fast-math flags: d = amax / 127 and 1 / d divided, x · (1/d) multiplied, then
+    rounded half away from zero by ``llvm.round``) and so the same bytes. LLVM keeps the scalar loop scalar: it
+    cannot prove the float and byte arrays apart."""
+    if not (isinstance(x, types.Array) and x.dtype in KERNEL_DTYPES and x.ndim == 1 and x.layout == "C"
+            and isinstance(out, types.Array) and out.dtype == types.uint8 and out.ndim == 1 and out.layout == "C"
+            and isinstance(j0, types.Integer) and isinstance(o, types.Integer)):
+        raise TypingError("_q8_0_block_vector: expected a 1-D C float row, an offset, 1-D C uint8 and an offset")
+    return types.none(x, j0, out, o), _q8_0_vector_codegen
+
+
 @kernel(inline=True, exact=True)
 def _q4_0_block(x, j0, out, o):
     """Values x[j0 .. j0+32] into the Q4_0 block at out[o]: d = m/-8 with m the first value of largest
@@ -117,11 +161,20 @@ def _blocks_of_row(x, out, code):
 
 
 @kernel(inline=True, exact=True)
+def _blocks_of_contiguous_row(x, out, code):
+    if code == Q8_0:
+        for blk in range(x.shape[0] // BLOCK):
+            _q8_0_block_vector(x, blk * BLOCK, out, blk * 34)
+    else:
+        _blocks_of_row(x, out, code)
+
+
+@kernel(inline=True, exact=True)
 def quantize_row(x, out, code):
     """One row of values (a multiple of 32) into its blocks of type ``code`` (Q8_0 or Q4_0); a unit-stride row
-    is retyped contiguous so that the block loops vectorise."""
+    is retyped contiguous so that the block loops vectorise (Q8_0 blocks in explicit vectors)."""
     if x.strides[0] == x.itemsize:
-        _blocks_of_row(assume_contiguous(x), assume_contiguous(out), code)
+        _blocks_of_contiguous_row(assume_contiguous(x), assume_contiguous(out), code)
     else:
         _blocks_of_row(x, assume_contiguous(out), code)
 
