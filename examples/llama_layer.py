@@ -1,6 +1,6 @@
 """One Llama-style decoder layer built from fastattn's kernels, run as a prefill followed by decode steps.
 
-    python examples/llama_layer.py [--prefill 512] [--decode 16] [--threads 2] [--small]
+    python examples/llama_layer.py [--prefill 512] [--decode 16] [--threads 2] [--small] [--kv q8_0]
 
 The layer, per call on N new tokens at positions ``pos`` (the non-GEMM ops are fastattn's, the GEMMs NumPy's):
 
@@ -8,6 +8,7 @@ The layer, per call on N new tokens at positions ``pos`` (the non-GEMM ops are f
     qkv  = h @ wqkv (+ bqkv)                            one fused projection, (N, (Hq + 2 Hkv) * D)
     q    = rope(qkv[:, :Hq*D] as (N, Hq, D))            in place on a strided view of qkv: no copy
     kv_cache[rows] = rope(k), v                         rope_set_rows (fused) and set_rows, float16 cache
+                                                        (--kv q8_0 / q4_0: a quantized cache, as llama.cpp's -ctk/-ctv)
     a    = flash_attn_ext(q, K[:n_kv], V[:n_kv], causal mask, path="auto")
     s, h = add_rms_norm_mul(x, a @ wo, ffn_norm)        residual add fused in front of the FFN norm
     out  = s + (silu(h @ w_gate) * (h @ w_up)) @ w_down   SwiGLU FFN
@@ -88,10 +89,15 @@ class LlamaLayer:
     """
 
     def __init__(self, weights: LayerWeights, config: LlamaConfig, kv_dtype=np.float16, announce: bool = False):
+        """``kv_dtype``: the cache's dtype (float16, float32, bfloat16) or a quantized type, "q8_0" or "q4_0"."""
         self.w, self.c = weights, config
         shape = (config.max_ctx, config.n_head_kv, config.head_dim)
-        self.k_cache = np.zeros(shape, kv_dtype)
-        self.v_cache = np.zeros(shape, kv_dtype)
+        if isinstance(kv_dtype, str) and kv_dtype in ("q8_0", "q4_0"):
+            self.k_cache = fastattn.quantize(np.zeros(shape, np.float32), kv_dtype)  # (R, Hkv, D) of blocks
+            self.v_cache = fastattn.quantize(np.zeros(shape, np.float32), kv_dtype)
+        else:
+            self.k_cache = np.zeros(shape, kv_dtype)
+            self.v_cache = np.zeros(shape, kv_dtype)
         self.times: dict[str, float] = defaultdict(float)
         self.announce = announce
         self._stage = "prefill"
@@ -140,11 +146,13 @@ class LlamaLayer:
             fastattn.rope_set_rows(self.k_cache, k, pos, rows, **rope)
         with t("set_rows"):
             # set_rows writes rows of the second-to-last axis: the (R, Hkv, D) cache as (R, Hkv*D), no copy
-            fastattn.set_rows(self.v_cache.reshape(c.max_ctx, hkv * d), v.reshape(n, hkv * d), rows)
+            fastattn.set_rows(_cache_view(self.v_cache, lambda a: a.reshape(c.max_ctx, -1)), v.reshape(n, hkv * d),
+                              rows)
         n_kv = int(rows.max()) + 1
         with t("flash_attn_ext"):
-            keys = self.k_cache[:n_kv].transpose(1, 0, 2)[None]  # (1, Hkv, n_kv, D): a view of the cache
-            values = self.v_cache[:n_kv].transpose(1, 0, 2)[None]
+            # (1, Hkv, n_kv, D): a view of the cache
+            keys = _cache_view(self.k_cache, lambda a: a[:n_kv].transpose(1, 0, 2)[None])
+            values = _cache_view(self.v_cache, lambda a: a[:n_kv].transpose(1, 0, 2)[None])
             mask = np.where(np.arange(n_kv)[None, :] <= rows[:, None], 0.0, -np.inf).astype(np.float16)
             attn = fastattn.flash_attn_ext(q.transpose(1, 0, 2)[None], keys, values, mask,
                                            scale=1.0 / np.sqrt(d))  # (1, N, Hq, D)
@@ -161,6 +169,14 @@ class LlamaLayer:
             return s + act @ w.w_down
 
 
+def _cache_view(cache, view):
+    """``view`` (a reshape, slice or transpose of the rows) of a cache: of its bytes when it is quantized (a row's
+    blocks stay together: only the leading axes move)."""
+    if isinstance(cache, fastattn.Quantized):
+        return fastattn.Quantized(view(cache.data), cache.qtype)
+    return view(cache)
+
+
 def _report(label: str, layer: LlamaLayer, seconds: float, tokens: int) -> None:
     total = sum(layer.times.values())
     print(f"{label}: {seconds * 1e3:.1f} ms for {tokens} token(s), {seconds / tokens * 1e3:.3f} ms/token")
@@ -175,18 +191,21 @@ def main(argv=None) -> None:
     parser.add_argument("--decode", type=int, default=16)
     parser.add_argument("--threads", type=int, default=fastattn.get_num_threads())
     parser.add_argument("--small", action="store_true", help="a 1/8-width layer (quick)")
+    parser.add_argument("--kv", choices=("f16", "q8_0", "q4_0"), default="f16",
+                        help="the KV cache's type: float16, or quantized as llama.cpp's -ctk/-ctv q8_0 / q4_0")
     args = parser.parse_args(argv)
+    kv_dtype = np.float16 if args.kv == "f16" else args.kv
     config = LlamaConfig(hidden=512, n_head=8, n_head_kv=2, head_dim=64, ffn=1536) if args.small else LlamaConfig()
     config = LlamaConfig(**{**config.__dict__, "max_ctx": args.prefill + args.decode})
     fastattn.set_num_threads(args.threads)
-    layer = LlamaLayer(LayerWeights.random(config), config)
+    layer = LlamaLayer(LayerWeights.random(config), config, kv_dtype)
     rng = np.random.default_rng(1)
     # Run the same shapes once untimed, so every kernel variant they pick (tiled vs one_chunk vs split_kv
     # attention, serial vs parallel norms and row writes) is compiled or loaded from Numba's cache first.
     print("compiling kernels (first run only: Numba caches them on disk; python -m fastattn warmup compiles "
           "them ahead of time) ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    warm = LlamaLayer(LayerWeights.random(config), config, announce=True)
+    warm = LlamaLayer(LayerWeights.random(config), config, kv_dtype, announce=True)
     warm.forward(rng.standard_normal((args.prefill, config.hidden)).astype(np.float32),
                  np.arange(args.prefill, dtype=np.int32))
     warm.forward(rng.standard_normal((1, config.hidden)).astype(np.float32), np.array([args.prefill], np.int32))

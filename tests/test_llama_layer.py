@@ -1,4 +1,5 @@
-"""examples/llama_layer.py against Hugging Face's LlamaModel (tiny random config, no download).
+"""examples/llama_layer.py against Hugging Face's LlamaModel (tiny random config, no download), and on a quantized
+KV cache against itself on a float32 one.
 
 Prefill 8 tokens, then decode 4 one at a time through the KV cache; every position's layer output must match
 the Hugging Face layer run on the whole sequence within float32 tolerance.
@@ -7,11 +8,11 @@ import numpy as np
 import pytest
 from example_layer import load_example, to_numpy
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 
 def test_llama_layer_matches_hugging_face_prefill_and_decode():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
     ex = load_example()
     hidden, heads, kv_heads, head_dim, ffn, theta = 64, 4, 2, 16, 96, 10000.0
     cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=1,
@@ -47,3 +48,24 @@ def test_llama_layer_matches_hugging_face_prefill_and_decode():
     got = np.concatenate(got)
     scale = np.abs(expected).max()
     np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5 * scale)
+
+
+def test_llama_layer_with_a_quantized_cache_stays_near_the_float32_one():
+    """--kv q8_0: the same layer on a Q8_0 KV cache (rope_set_rows and set_rows quantize, attention reads the
+    blocks) stays within the cache's rounding of the float32-cache layer (Q8_0 rounds each value to 1/254 of its
+    block's largest magnitude), and differs from it."""
+    kv, bound = "q8_0", 0.02
+    ex = load_example()
+    config = ex.LlamaConfig(hidden=128, n_head=4, n_head_kv=2, head_dim=32, ffn=192, max_ctx=16)
+    weights = ex.LayerWeights.random(config, seed=3)
+    x = np.random.default_rng(4).standard_normal((12, config.hidden)).astype(np.float32)
+    outputs = {}
+    for kind in ("float32", kv):
+        layer = ex.LlamaLayer(weights, config, kv_dtype=np.float32 if kind == "float32" else kind)
+        got = [layer.forward(x[:8], np.arange(8, dtype=np.int32))]
+        for p in range(8, 12):
+            got.append(layer.forward(x[p:p + 1], np.array([p], np.int32)))
+        outputs[kind] = np.concatenate(got)
+    assert isinstance(layer.k_cache, ex.fastattn.Quantized) and layer.k_cache.qtype == kv
+    difference = np.abs(outputs[kv] - outputs["float32"]).max()
+    assert 0 < difference <= bound * np.abs(outputs["float32"]).max()

@@ -1,14 +1,15 @@
 """Main-job cases for ``flash_attn_ext``: a causal prefill and a decode step of a Llama-like layer.
 
-K/V are float16 (a KV cache as llama.cpp keeps it by default); the decode case reads ``Config.decode_n_kv`` (512)
-rows, the smallest context at which ggml (and ``auto``) takes the split-KV path. Checked by ``fastattn.testing``'s
-rule against a straightforward float32 evaluation, with the attention tests' floor.
+K/V are float16 (a KV cache as llama.cpp keeps it by default); the decode cases read ``Config.decode_n_kv`` (512)
+rows, the smallest context at which ggml (and ``auto``) takes the split-KV path, and once more from a Q8_0 cache
+(llama.cpp's ``-ctk q8_0 -ctv q8_0``). Checked by ``fastattn.testing``'s rule against a straightforward float32
+evaluation (on the dequantized values for Q8_0), with the attention tests' floor.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .. import flash_attn_ext
+from .. import dequantize, flash_attn_ext, quantize
 from .. import reference
 from . import Case, Config, register
 from .checks import float32_rule
@@ -71,4 +72,13 @@ def build(config: Config, rng: np.random.Generator) -> list[Case]:
             fast=lambda path=path: flash_attn_ext(qd, kd, vd, scale=scale, path=path, out=out_d),
             reference=lambda: reference.flash_attn_ext(qd, kd, vd, scale=scale),
             check=check, nbytes=kd.nbytes + vd.nbytes))
+
+    kq = quantize(kd, "q8_0")
+    vq = quantize(vd, "q8_0")
+    cases.append(Case(
+        "attention", f"decode Nkv {n_kv} {Hq}/{Hkv}x{D} q8_0 KV", "auto",
+        fast=lambda: flash_attn_ext(qd, kq, vq, scale=scale, out=out_d),
+        reference=lambda: reference.flash_attn_ext(qd, kq, vq, scale=scale),
+        check=float32_rule(naive_f32(qd, dequantize(kq), dequantize(vq), None, scale), FLOOR),
+        nbytes=kq.data.nbytes + vq.data.nbytes))
     return cases
