@@ -79,6 +79,23 @@ q = rng.standard_normal((1, 32, 512, 128)).astype(np.float32)
 k = rng.standard_normal((1, 8, 512, 128)).astype(np.float16); v = k.copy()
 mask = np.triu(np.full((512, 512), -np.inf, np.float32), 1).astype(np.float16)
 call = lambda: fastattn.flash_attn_ext(q, k, v, mask, scale=128 ** -0.5)"""),
+    "set_rows (512, 1024) f32 -> q8_0 cache": ("quantized", """
+cache = fastattn.quantize(np.zeros((4096, 1024), np.float32), "q8_0")
+src = rng.standard_normal((512, 1024)).astype(np.float32); idx = np.arange(512, dtype=np.int64)
+call = lambda: fastattn.set_rows(cache, src, idx)"""),
+    "rope_set_rows (512, 8, 128) f32 -> q8_0 cache": ("quantized", """
+x = rng.standard_normal((512, 8, 128)).astype(np.float32); pos = np.arange(512, dtype=np.int32)
+kv = fastattn.quantize(np.zeros((4096, 8, 128), np.float32), "q8_0"); idx = np.arange(512, dtype=np.int64)
+call = lambda: fastattn.rope_set_rows(kv, x, pos, idx, n_dims=128, mode=fastattn.ROPE_NEOX)"""),
+    "flash_attn_ext decode Nkv 4096 q8_0 K/V": ("quantized", """
+q = rng.standard_normal((1, 32, 1, 128)).astype(np.float32)
+k = fastattn.quantize(rng.standard_normal((1, 8, 4096, 128)).astype(np.float32), "q8_0"); v = k
+call = lambda: fastattn.flash_attn_ext(q, k, v, scale=128 ** -0.5)"""),
+    "flash_attn_ext prefill 512 causal q8_0 K/V": ("quantized", """
+q = rng.standard_normal((1, 32, 512, 128)).astype(np.float32)
+k = fastattn.quantize(rng.standard_normal((1, 8, 512, 128)).astype(np.float32), "q8_0"); v = k
+mask = np.triu(np.full((512, 512), -np.inf, np.float32), 1).astype(np.float16)
+call = lambda: fastattn.flash_attn_ext(q, k, v, mask, scale=128 ** -0.5)"""),
 }
 
 _CHILD = """
@@ -114,7 +131,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2, help="Numba threads for the call (default 2)")
     parser.add_argument("--only", default="", help="op groups to run, comma-separated: norm, set_rows, rope, "
-                                                   "attention (default: all)")
+                                                   "attention, quantized (default: all)")
     args = parser.parse_args()
     groups = {g for g in args.only.split(",") if g}
     print(f"| first call ({args.threads} threads) | cold wall s | cold CPU s | kernels compiled (s) | warm wall s |")
