@@ -30,7 +30,7 @@ from ._attention_rows import ROWS
 from ._attention_softmax import _live_rows
 from ._kernel import assume_contiguous, kernel, to_f32
 from ._quantized import BLOCK, BLOCK_BYTES, Quantized
-from ._simd import V8, as_int64, const, shuffle, splat
+from ._simd import V8, as_int64, const, shuffle
 
 Q8_0_BYTES = BLOCK_BYTES["q8_0"]
 Q4_0_BYTES = BLOCK_BYTES["q4_0"]

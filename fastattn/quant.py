@@ -6,6 +6,12 @@ and ``x · (1/d) + 8.5`` round exactly as the reference's float32 NumPy does (no
 for a division); the bytes are then identical to the reference's and to the ``gguf`` package's. Float16 input
 enters as uint16 bits and is widened exactly.
 
+A block of a contiguous row is quantized by an LLVM intrinsic on four 8-wide vectors (``_q8_0_block_vector``,
+``_q4_0_block_vector``): the largest magnitude as an integer max of the magnitude bits, the scale's divisions and
+the scaling as plain IEEE operations (no fast-math flags), the packing as vector integer operations. LLVM does not
+vectorise the scalar block loops (``_q8_0_block``, ``_q4_0_block``, kept for strided rows): it cannot prove the
+float row and the byte row apart. The two give the same bytes.
+
 Layout: leading axes are merged into one (``_layout.merge_leading``, never a copy), so the kernels see rows:
 values (rows, n) and bytes (rows, n / 32 · block_bytes). Rows are independent: ``prange`` over rows above the
 threading rule's size (``_threads.threads_for``), serially below.
@@ -120,13 +126,94 @@ def _q8_0_vector_codegen(context, builder, signature, llargs):
 def _q8_0_block_vector(typingctx, x, j0, out, o):
     """``_q8_0_block`` for a C-contiguous row x (float32, float16 or bfloat16 bits) in explicit 8-wide vectors, with
     the same IEEE operations (no fast-math flags: d = amax / 127 and 1 / d divided, x · (1/d) multiplied, then
-    rounded half away from zero by ``llvm.round``) and so the same bytes. LLVM keeps the scalar loop scalar: it
-    cannot prove the float and byte arrays apart."""
+    rounded half away from zero by ``llvm.round``) and so the same bytes."""
+    _check_block_vector("_q8_0_block_vector", x, j0, out, o)
+    return types.none(x, j0, out, o), _q8_0_vector_codegen
+
+
+def _check_block_vector(name, x, j0, out, o):
     if not (isinstance(x, types.Array) and x.dtype in KERNEL_DTYPES and x.ndim == 1 and x.layout == "C"
             and isinstance(out, types.Array) and out.dtype == types.uint8 and out.ndim == 1 and out.layout == "C"
             and isinstance(j0, types.Integer) and isinstance(o, types.Integer)):
-        raise TypingError("_q8_0_block_vector: expected a 1-D C float row, an offset, 1-D C uint8 and an offset")
-    return types.none(x, j0, out, o), _q8_0_vector_codegen
+        raise TypingError(f"{name}: expected a 1-D C float row, an offset, 1-D C uint8 and an offset")
+
+
+def _load_value(builder, dtype, data, offset):
+    """Element ``offset`` of ``data`` (float32, float16 bits or bfloat16 bits) widened to float32, exactly."""
+    f32 = ir.FloatType()
+    if dtype == types.float32:
+        return builder.load(builder.gep(data, [offset]), align=4)
+    bits = builder.load(builder.gep(data, [offset]), align=2)
+    if dtype == types.uint16:
+        return builder.fpext(builder.bitcast(bits, ir.HalfType()), f32)
+    i32 = ir.IntType(32)
+    return builder.bitcast(builder.shl(builder.zext(bits, i32), ir.Constant(i32, 16)), f32)
+
+
+def _q4_0_vector_codegen(context, builder, signature, llargs):
+    x = context.make_array(signature.args[0])(context, builder, llargs[0])
+    out = context.make_array(signature.args[2])(context, builder, llargs[2])
+    j0 = as_int64(context, builder, llargs[1], signature.args[1])
+    o = as_int64(context, builder, llargs[3], signature.args[3])
+    dtype = signature.args[0].dtype
+    i32, f32 = ir.IntType(32), ir.FloatType()
+    v8_i32 = ir.VectorType(i32, LANES)
+    values = [load8(builder, dtype, x.data, builder.add(j0, const(LANES * p))) for p in range(4)]
+    # |x| as integers, NaN as 0: the scalar loop's ``amax < |v|`` never takes a NaN
+    inf_bits = ir.Constant(v8_i32, [0x7F800000] * LANES)
+    magnitude = []
+    for v in values:
+        bits = builder.and_(builder.bitcast(v, v8_i32), ir.Constant(v8_i32, [0x7FFFFFFF] * LANES))
+        magnitude.append(builder.select(builder.icmp_unsigned(">", bits, inf_bits), ir.Constant(v8_i32, [0] * LANES),
+                                        bits))
+
+    def umax(a, b):
+        return builder.select(builder.icmp_unsigned(">", a, b), a, b)
+    reduce = builder.module.declare_intrinsic("llvm.vector.reduce.umax.v8i32", (), ir.FunctionType(i32, [v8_i32]))
+    top = builder.call(reduce, [umax(umax(magnitude[0], magnitude[1]), umax(magnitude[2], magnitude[3]))])
+    # m: the first value of the largest magnitude (+0 when every magnitude is 0, as the loop starts from m = +0)
+    lanes = ir.Constant(i32, 0)
+    for p, mag in enumerate(magnitude):
+        hits = builder.bitcast(builder.icmp_unsigned("==", mag, _splat_i32(builder, top)), ir.IntType(LANES))
+        lanes = builder.or_(lanes, builder.shl(builder.zext(hits, i32), ir.Constant(i32, LANES * p)))
+    cttz = builder.module.declare_intrinsic("llvm.cttz.i32", (), ir.FunctionType(i32, [i32, ir.IntType(1)]))
+    first = builder.zext(builder.call(cttz, [lanes, ir.Constant(ir.IntType(1), 0)]), ir.IntType(64))
+    first = builder.select(builder.icmp_unsigned("<", first, const(BLOCK)), first, const(0))  # no lane: any
+    m = builder.select(builder.icmp_unsigned("==", top, ir.Constant(i32, 0)), ir.Constant(f32, 0.0),
+                       _load_value(builder, dtype, x.data, builder.add(j0, first)))
+    d = builder.fdiv(m, ir.Constant(f32, -8.0))
+    inverse = builder.select(builder.fcmp_ordered("!=", d, ir.Constant(f32, 0.0)),
+                             builder.fdiv(ir.Constant(f32, 1.0), d), ir.Constant(f32, 0.0))
+    base = builder.gep(out.data, [o])
+    builder.store(builder.bitcast(builder.fptrunc(d, ir.HalfType()), ir.IntType(16)),
+                  builder.bitcast(base, ir.IntType(16).as_pointer()), align=1)
+    fifteen = ir.Constant(v8_i32, [15] * LANES)
+    q = []
+    for v in values:  # min(15, trunc(x · (1/d) + 8.5)): a multiply, then an add, each rounded
+        shifted = builder.fadd(builder.fmul(v, splat(builder, inverse)), splat(builder, ir.Constant(f32, 8.5)))
+        t = builder.fptosi(shifted, v8_i32)
+        q.append(builder.select(builder.icmp_signed("<", t, fifteen), t, fifteen))
+    v8_i8 = ir.VectorType(ir.IntType(8), LANES)
+    for half in range(2):  # byte j = value j | value j + 16 << 4
+        packed = builder.or_(q[half], builder.shl(q[half + 2], ir.Constant(v8_i32, [4] * LANES)))
+        builder.store(builder.trunc(packed, v8_i8),
+                      builder.bitcast(builder.gep(base, [const(2 + LANES * half)]), v8_i8.as_pointer()), align=1)
+    return context.get_dummy_value()
+
+
+def _splat_i32(builder, value):
+    v8_i32 = ir.VectorType(ir.IntType(32), LANES)
+    one = builder.insert_element(ir.Constant(v8_i32, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, ir.Constant(v8_i32, ir.Undefined), ir.Constant(v8_i32, [0] * LANES))
+
+
+@intrinsic
+def _q4_0_block_vector(typingctx, x, j0, out, o):
+    """``_q4_0_block`` for a C-contiguous row x in explicit 8-wide vectors, with the same IEEE operations and
+    choices (m the first value of largest magnitude, NaNs never chosen; +0 for a block of zeros) and so the same
+    bytes."""
+    _check_block_vector("_q4_0_block_vector", x, j0, out, o)
+    return types.none(x, j0, out, o), _q4_0_vector_codegen
 
 
 @kernel(inline=True, exact=True)
@@ -166,13 +253,14 @@ def _blocks_of_contiguous_row(x, out, code):
         for blk in range(x.shape[0] // BLOCK):
             _q8_0_block_vector(x, blk * BLOCK, out, blk * 34)
     else:
-        _blocks_of_row(x, out, code)
+        for blk in range(x.shape[0] // BLOCK):
+            _q4_0_block_vector(x, blk * BLOCK, out, blk * 18)
 
 
 @kernel(inline=True, exact=True)
 def quantize_row(x, out, code):
     """One row of values (a multiple of 32) into its blocks of type ``code`` (Q8_0 or Q4_0); a unit-stride row
-    is retyped contiguous so that the block loops vectorise (Q8_0 blocks in explicit vectors)."""
+    is retyped contiguous and its blocks quantized in explicit vectors."""
     if x.strides[0] == x.itemsize:
         _blocks_of_contiguous_row(assume_contiguous(x), assume_contiguous(out), code)
     else:
