@@ -159,7 +159,8 @@ def _row_elements(f, n_values):
 
 def row_scratch(kf, dk, vf, dv):
     """Float32 scratch for one block of widened rows, shared by K and V (K's rows are done with before V's are
-    widened): ROWS rows of the longer quantized one, empty when both are float (read in place). Kernel-only."""
+    widened): ROWS rows of the longer quantized one; when both are float (read in place) an empty view of kf.
+    Kernel-only."""
     raise NotImplementedError
 
 
@@ -173,7 +174,7 @@ def _row_scratch(kf, dk, vf, dv):
         return lambda kf, dk, vf, dv: np.empty(ROWS * dk, np.float32)
     if v_quantized:
         return lambda kf, dk, vf, dv: np.empty(ROWS * dv, np.float32)
-    return lambda kf, dk, vf, dv: np.empty(0, np.float32)
+    return lambda kf, dk, vf, dv: kf[:0]  # unused by float K/V: an empty view, nothing allocated
 
 
 def block_rows(rows_at, n_values, jb, sc, n, every, dead, rows, scratch):
@@ -240,17 +241,11 @@ def widen_row(src, dst):
 
 @overload(widen_row)
 def _widen_row(src, dst):
-    dtype = src.dtype
-    if dtype == types.int8:
+    width = _block_bytes(src.dtype)
+    if width:
         def widen(src, dst):
-            n = src.shape[0] // Q8_0_BYTES * BLOCK
-            _q8_0_row(assume_contiguous(src), 0, n, assume_contiguous(dst), 0)
-            return _finite_check(dst, n)
-        return widen
-    if dtype == types.uint8:
-        def widen(src, dst):
-            n = src.shape[0] // Q4_0_BYTES * BLOCK
-            _q4_0_row(assume_contiguous(src), 0, n, assume_contiguous(dst), 0)
+            n = src.shape[0] // width * BLOCK
+            _dequantize_row(assume_contiguous(src), 0, n, assume_contiguous(dst), 0)
             return _finite_check(dst, n)
         return widen
     return lambda src, dst: _widen_float_row(src, dst)
