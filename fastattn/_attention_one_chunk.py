@@ -94,7 +94,7 @@ def _parallel(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, next_uni
 
 def run_one_chunk(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     """Fill ``out`` (B, Nq, Hq, DV) float32 with attention over q (B, Hq, Nq, DK) float32, k/v kernel views
-    (Bk, Hkv, Nkv, DK|DV) (quantized: their bytes, ``_attention_quantized.kv_view``), mask None or a kernel view
+    (Bk, Hkv, Nkv, DK|DV) (quantized: their bytes, ``quant.bytes_view``), mask None or a kernel view
     (Bm, Hm, Nm, Nkv), slopes (Hq,) float32, sinks None or (Hq,) float32; scale and softcap Python floats
     (softcap 0 = off). Every input may be strided."""
     B, Hq, Nq, DK = q.shape

@@ -175,7 +175,7 @@ def _parallel(q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, A
 
 def run_split_kv(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     """Decode attention into ``out`` (B, 1, Hq, DV) float32: q (B, Hq, 1, DK) float32, k/v kernel views
-    (Bk, Hkv, Nkv, DK|DV) (quantized: their bytes, ``_attention_quantized.kv_view``), mask None or a kernel view
+    (Bk, Hkv, Nkv, DK|DV) (quantized: their bytes, ``quant.bytes_view``), mask None or a kernel view
     (Bm, Hm, Nm, Nkv), slopes (Hq,) float32, sinks None or (Hq,) float32; scale and softcap Python floats
     (softcap 0 = off). Every input may be strided.
 

@@ -342,7 +342,7 @@ def run_tiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     """Fill ``out`` (B, Nq, Hq, DV) float32 with attention computed tile by tile.
 
     q (B, Hq, Nq, DK) float32; k (Bk, Hkv, Nkv, DK), v (Bk, Hkv, Nkv, DV) kernel views (float32, uint16 float16
-    bits, int16 bfloat16 bits, or the bytes of Q8_0 / Q4_0 rows: ``_attention_quantized.kv_view``); mask None or
+    bits, int16 bfloat16 bits, or the bytes of Q8_0 / Q4_0 rows: ``quant.bytes_view``); mask None or
     a (Bm, Hm, Nm >= Nq, Nkv) kernel view (float32 / uint16);
     slopes (Hq,) float32; sinks None or (Hq,) float32; every argument may be strided (nothing is copied).
     """

@@ -30,12 +30,12 @@ from . import _threads
 from ._args import attention as _args
 from ._attention_layout import no_sinks
 from ._attention_one_chunk import decode_fast, run_one_chunk, splits_decode
-from ._attention_quantized import kv_view
 from ._attention_split_kv import run_split_kv
 from ._attention_tiled import Q_TILE, run_tiled
 from ._dispatch import Route, array_type
 from ._kernel import FLOAT16, FLOAT32, kernel_view
 from ._quantized import Quantized
+from .quant import bytes_view
 
 #: Nkv from which ``auto`` takes split_kv for decode (ggml's threshold).
 SPLIT_KV_MIN_NKV = 512
@@ -77,8 +77,8 @@ def _storage(a):
 
 
 def _kv_kernel_view(a):
-    """K or V as the kernels read it: ``kernel_view``, or a quantized array's bytes (``kv_view``)."""
-    return kv_view(a) if a.__class__ is Quantized else kernel_view(a)
+    """K or V as the kernels read it: ``kernel_view``, or a quantized array's bytes (``quant.bytes_view``)."""
+    return bytes_view(a) if a.__class__ is Quantized else kernel_view(a)
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,4 +1,5 @@
-"""Q8_0 / Q4_0 quantization kernels: ``quantize``, ``dequantize`` and the row quantizer ``set_rows`` uses.
+"""Q8_0 / Q4_0 kernels: ``quantize``, ``dequantize``, the row quantizer ``set_rows`` uses and the block widening
+attention uses (``widen_blocks``).
 
 Each row of 32-value blocks is quantized block by block with ggml's reference rounding (``reference/quant.py``
 states it): the kernels compile without fastmath (``kernel(exact=True)``) so that ``d = amax / 127``, ``1 / d``
@@ -24,16 +25,18 @@ import numpy as np
 from llvmlite import ir
 from numba import prange, types
 from numba.core.errors import TypingError
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from . import _layout, _threads
 from ._kernel import (_f16_bits_to_f32, _f32_to_f16_bits, assume_contiguous, call_any_layout, kernel, kernel_view,
                       to_f32)
 from ._quantized import BLOCK, BLOCK_BYTES, QTYPE_CODES, Quantized, quantized_array, values_array
-from ._simd import KERNEL_DTYPES, LANES, V8, as_int64, const, load8, splat
+from ._simd import KERNEL_DTYPES, LANES, V8, as_int64, const, load8, shuffle, splat
 
 Q8_0 = QTYPE_CODES["q8_0"]
 Q4_0 = QTYPE_CODES["q4_0"]
+Q8_0_BYTES = BLOCK_BYTES["q8_0"]
+Q4_0_BYTES = BLOCK_BYTES["q4_0"]
 
 
 @intrinsic
@@ -267,22 +270,113 @@ def quantize_row(x, out, code):
         _blocks_of_row(x, assume_contiguous(out), code)
 
 
-@kernel(inline=True, exact=True)
-def _dequantize_row(data, out, code):
-    width = 34 if code == Q8_0 else 18
-    half = BLOCK // 2
-    for blk in range(out.shape[0] // BLOCK):
-        o = blk * width
-        d = _load_scale(data, o)
-        j0 = blk * BLOCK
-        if code == Q8_0:
-            for j in range(BLOCK):
-                out[j0 + j] = np.float32(np.int8(data[o + 2 + j])) * d
-        else:
-            for j in range(half):
-                byte = np.int32(data[o + 2 + j])
-                out[j0 + j] = np.float32((byte & 15) - 8) * d
-                out[j0 + half + j] = np.float32((byte >> 4) - 8) * d
+# ---------------------------------------------------------------------------------------------------------------
+# Dequantization: a block of bytes widened to float32 in explicit vectors (quantized K/V in attention, dequantize).
+#: The kernel dtype that names each quantized type.
+_VIEW_DTYPES = {"q8_0": np.dtype(np.int8), "q4_0": np.dtype(np.uint8)}
+
+
+def bytes_view(a: Quantized) -> np.ndarray:
+    """The bytes of a quantized K or V as the kernels read them: int8 for Q8_0, uint8 for Q4_0."""
+    return a.data.view(_VIEW_DTYPES[a.qtype])
+
+
+def block_bytes_of(dtype) -> int:
+    """Bytes per block of the quantized kernel dtype ``dtype``; 0 for a float (or float bits) dtype."""
+    if dtype == types.int8:
+        return Q8_0_BYTES
+    if dtype == types.uint8:
+        return Q4_0_BYTES
+    return 0
+
+
+def _widen_codegen(qtype: str):
+    """LLVM IR widening one block: the float16 scale, then 32 values as 4 vectors of 8, multiplied by it and
+    stored (LLVM does not vectorise the scalar loop across the int8 and float32 arrays it cannot prove apart)."""
+    def codegen(context, builder, signature, llargs):
+        f = context.make_array(signature.args[0])(context, builder, llargs[0])
+        dst = context.make_array(signature.args[2])(context, builder, llargs[2])
+        o = as_int64(context, builder, llargs[1], signature.args[1])
+        d0 = as_int64(context, builder, llargs[3], signature.args[3])
+        i8p = ir.IntType(8).as_pointer()
+        start = builder.gep(builder.bitcast(f.data, i8p), [o])
+        # the scale: the block's first 4 half words converted as a vector and lane 0 broadcast (one vcvtph2ps from
+        # memory; a scalar half load becomes a vpinsrw into the previous block's register, chaining the blocks)
+        v4_half = ir.VectorType(ir.HalfType(), 4)
+        head = builder.fpext(builder.load(builder.bitcast(start, v4_half.as_pointer()), align=1),
+                             ir.VectorType(ir.FloatType(), 4))
+        d = shuffle(builder, head, head, [0] * 8)
+        q = builder.gep(start, [const(2)])
+        out = builder.gep(dst.data, [d0])
+        v8_i8 = ir.VectorType(ir.IntType(8), 8)
+        v8_i32 = ir.VectorType(ir.IntType(32), 8)
+        if qtype == "q4_0":  # bytes 0..7 and 8..15 widened to int32 lanes: low nibbles are values 0..15, high 16..31
+            packed = [builder.zext(builder.load(builder.bitcast(builder.gep(q, [const(8 * half)]), v8_i8.as_pointer()),
+                                                align=1), v8_i32) for half in range(2)]
+        for part in range(4):  # 8 values at a time: 8-wide integer widening and conversion, one store each
+            if qtype == "q8_0":
+                ints = builder.sext(builder.load(builder.bitcast(builder.gep(q, [const(8 * part)]),
+                                                                 v8_i8.as_pointer()), align=1), v8_i32)
+            else:
+                bytes8 = packed[part % 2]
+                nibble = (builder.and_(bytes8, ir.Constant(v8_i32, [15] * 8)) if part < 2
+                          else builder.lshr(bytes8, ir.Constant(v8_i32, [4] * 8)))
+                ints = builder.sub(nibble, ir.Constant(v8_i32, [8] * 8))
+            values = builder.sitofp(ints, V8)
+            ptr = builder.bitcast(builder.gep(out, [const(8 * part)]), V8.as_pointer())
+            builder.store(builder.fmul(values, d), ptr, align=4)
+        return context.get_dummy_value()
+    return codegen
+
+
+def _check_widen(f, o, dst, d0, dtype):
+    if not (isinstance(f, types.Array) and f.dtype == dtype and f.ndim == 1 and f.layout == "C"
+            and isinstance(dst, types.Array) and dst.dtype == types.float32 and dst.ndim == 1 and dst.layout == "C"
+            and isinstance(o, types.Integer) and isinstance(d0, types.Integer)):
+        raise TypingError(f"expected 1-D C {dtype} bytes, an offset, 1-D C float32 and an offset")
+
+
+@intrinsic
+def _widen_q8_0_block(typingctx, f, o, dst, d0):
+    """dst[d0 .. d0+32] = the Q8_0 block at byte o of f (int8 bytes, 1-D C), in float32."""
+    _check_widen(f, o, dst, d0, types.int8)
+    return types.none(f, o, dst, d0), _widen_codegen("q8_0")
+
+
+@intrinsic
+def _widen_q4_0_block(typingctx, f, o, dst, d0):
+    """dst[d0 .. d0+32] = the Q4_0 block at byte o of f (uint8 bytes, 1-D C), in float32."""
+    _check_widen(f, o, dst, d0, types.uint8)
+    return types.none(f, o, dst, d0), _widen_codegen("q4_0")
+
+
+@kernel(inline=True)
+def _widen_q8_0_row(f, o, n_values, dst, d0):
+    """dst[d0 .. d0+n_values] = the Q8_0 row whose first block is at byte o of f (int8 bytes)."""
+    for blk in range(n_values // BLOCK):
+        _widen_q8_0_block(f, o + blk * Q8_0_BYTES, dst, d0 + blk * BLOCK)
+
+
+@kernel(inline=True)
+def _widen_q4_0_row(f, o, n_values, dst, d0):
+    """dst[d0 .. d0+n_values] = the Q4_0 row whose first block is at byte o of f (uint8 bytes)."""
+    for blk in range(n_values // BLOCK):
+        _widen_q4_0_block(f, o + blk * Q4_0_BYTES, dst, d0 + blk * BLOCK)
+
+
+def widen_blocks(f, o, n_values, dst, d0):
+    """dst[d0 .. d0+n_values] = the quantized row at byte o of f (Q8_0 for int8 bytes, Q4_0 for uint8).
+    Kernel-only."""
+    raise NotImplementedError
+
+
+@overload(widen_blocks, inline="always")
+def _widen_blocks_impl(f, o, n_values, dst, d0):
+    if f.dtype == types.int8:
+        return lambda f, o, n_values, dst, d0: _widen_q8_0_row(f, o, n_values, dst, d0)
+    if f.dtype == types.uint8:
+        return lambda f, o, n_values, dst, d0: _widen_q4_0_row(f, o, n_values, dst, d0)
+    raise TypingError(f"widen_blocks: expected int8 (Q8_0) or uint8 (Q4_0) bytes, got {f}")
 
 
 @kernel(exact=True)
@@ -298,15 +392,15 @@ def _quantize_parallel(x, data, code):
 
 
 @kernel(exact=True)
-def _dequantize_serial(data, out, code):
+def _dequantize_serial(data, out):
     for r in range(data.shape[0]):
-        _dequantize_row(data[r], out[r], code)
+        widen_blocks(assume_contiguous(data[r]), 0, out.shape[1], assume_contiguous(out[r]), 0)
 
 
 @kernel(parallel=True, exact=True)
-def _dequantize_parallel(data, out, code):
+def _dequantize_parallel(data, out):
     for r in prange(data.shape[0]):
-        _dequantize_row(data[r], out[r], code)
+        widen_blocks(assume_contiguous(data[r]), 0, out.shape[1], assume_contiguous(out[r]), 0)
 
 
 def _row_pairs(a: np.ndarray, b: np.ndarray) -> list:
@@ -335,8 +429,7 @@ def dequantize(a: Quantized) -> np.ndarray:
     """The float32 values of ``a`` in its logical shape (q · d per block, as ggml's dequantizers)."""
     a = quantized_array("a", a)
     out = np.empty(a.shape, np.float32)
-    code = QTYPE_CODES[a.qtype]
     parallel = _threads.threads_for(out.size * 5) > 1
-    for dr, orow in _row_pairs(a.data, out):
-        call_any_layout(_dequantize_parallel if parallel else _dequantize_serial, (0,), dr, orow, code)
+    for dr, orow in _row_pairs(bytes_view(a), out):
+        call_any_layout(_dequantize_parallel if parallel else _dequantize_serial, (0,), dr, orow)
     return out
