@@ -10,9 +10,13 @@ import numpy as np
 import pytest
 
 import fastattn
+from fastattn import _threads
 from fastattn.jobs.blas import set_blas_threads
 
 THREADS = [1, 2]
+
+# Each benchmark times its kernels at the thread count it names (bench_layer.py measures the default rule).
+_threads.set_thread_rule("fixed")
 
 # The references' matmuls would leave OpenBLAS workers spinning on the cores our prange workers need
 # (fastattn/jobs/blas.py); torch's own threads are set per benchmark below.
@@ -61,8 +65,6 @@ def copy_baseline(nbytes: float):
     """A memory-bound baseline: ``fn()`` copying float32 arrays so that ``nbytes`` are read + written in total.
     Numba loops, by the ops' own rule: serial below 1 MiB, else prange on ``fastattn.get_num_threads()``
     threads. Compare an op's GB/s with this one's."""
-    from fastattn import _threads
-
     copy_serial, copy_parallel = _copy_kernels()
     src = np.ones((max(1, int(nbytes) // 8 // 1024), 1024), np.float32)
     dst = np.empty_like(src)

@@ -11,7 +11,7 @@ import importlib
 from . import _tensors, _threads
 from ._modes import ROPE_IMROPE, ROPE_MROPE, ROPE_NEOX, ROPE_NORMAL, ROPE_VISION, RopeMode
 from ._quantized import Quantized
-from ._threads import get_num_threads, num_threads, set_num_threads
+from ._threads import get_num_threads, get_thread_rule, num_threads, set_num_threads, set_thread_rule
 
 __version__ = "0.1.0"
 
@@ -27,7 +27,7 @@ _FAST_OPS = {
 
 __all__ = [
     "ROPE_IMROPE", "ROPE_MROPE", "ROPE_NEOX", "ROPE_NORMAL", "ROPE_VISION", "Quantized", "RopeMode",
-    "get_num_threads", "num_threads", "set_num_threads", *_FAST_OPS,
+    "get_num_threads", "num_threads", "set_num_threads", "get_thread_rule", "set_thread_rule", *_FAST_OPS,
 ]
 
 

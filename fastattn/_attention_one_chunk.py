@@ -109,7 +109,8 @@ def run_one_chunk(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
             None if mask is None else element_strides(mask), slopes, sinks, np.float32(scale), np.float32(softcap),
             out, spans_of(mask, Nq))
     if n_threads > 1:
-        call_any_layout(_parallel, STRIDED, *args, np.zeros(1, np.int64), n_threads)
+        with _threads.team("one_chunk", nbytes, n_threads) as launch:
+            call_any_layout(_parallel, STRIDED, *args, np.zeros(1, np.int64), launch.n)
     else:
         call_any_layout(_serial, STRIDED, *args)
 
@@ -125,13 +126,14 @@ def splits_decode(B, Nq, Hkv, Nkv, same_storage, n_threads, min_nkv, min_units_p
 
 @kernel
 def decode_fast(q, k, v, out, slopes, sinks, scale, auto_splittable, min_nkv, min_units_per_thread, min_bytes,
-                n_threads):
+                n_threads, launch_threads):
     """The decode fast path of ``flash_attn_ext`` (``_dispatch``): one_chunk on q (B, Hq, 1, DK) float32 and
     k/v kernel views, no mask, softcap or ALiBi, slopes all ones and sinks -inf (Hq,). Returns False, having
     written nothing, unless the shapes are valid (no empty axis, DK matching, v like k, Hkv | Hq, Bk | B, out
     (B, 1, Hq, DV)), ``auto`` would take one_chunk (``auto_splittable``: auto and K, V of one split_kv storage
     type), scale is within float32's range, every array is aligned to its element size and out overlaps none of
-    q, k, v."""
+    q, k, v. ``n_threads``: the thread count ``auto``'s rule sees; ``launch_threads``: the threads to run on
+    (``_threads.team``'s choice) when at least ``min_bytes`` of K/V are read."""
     B, Hq, Nq, DK = q.shape
     Bk, Hkv, Nkv, DKk = k.shape
     DV = v.shape[3]
@@ -151,10 +153,10 @@ def decode_fast(q, k, v, out, slopes, sinks, scale, auto_splittable, min_nkv, mi
     slopes_c = assume_contiguous(slopes)
     sinks_c = assume_contiguous(sinks)
     nbytes = B * Hkv * Nkv * (DK * k.itemsize + DV * v.itemsize)
-    if n_threads > 1 and nbytes >= min_bytes:
-        use_threads(n_threads)
+    if launch_threads > 1 and nbytes >= min_bytes:
+        use_threads(launch_threads)
         _parallel(q, k, v, None, slopes_c, sinks_c, np.float32(scale), np.float32(0.0), out,
-                  np.zeros((1, 1, 1, 2), np.int64), np.zeros(1, np.int64), n_threads)
+                  np.zeros((1, 1, 1, 2), np.int64), np.zeros(1, np.int64), launch_threads)
     else:
         _serial(q, k, v, None, slopes_c, sinks_c, np.float32(scale), np.float32(0.0), out,
                 np.zeros((1, 1, 1, 2), np.int64))

@@ -197,7 +197,7 @@ def run_split_kv(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
             None if mask is None else element_strides(mask), slopes, sinks, np.float32(scale), np.float32(softcap),
             out, rows, Mp, Sp, Ap, spans_of(mask, 1))
     if n_threads > 1:
-        call_any_layout(_parallel, STRIDED, *args, np.zeros(n_threads * COUNTER_STRIDE, np.int64),
-                        n_threads)
+        with _threads.team("split_kv", nbytes, n_threads) as launch:
+            call_any_layout(_parallel, STRIDED, *args, np.zeros(launch.n * COUNTER_STRIDE, np.int64), launch.n)
     else:
         call_any_layout(_serial, STRIDED, *args)

@@ -350,11 +350,24 @@ def run_tiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     Bk, Hkv, Nkv, _ = k.shape
     DV = out.shape[3]
     group = Hq // Hkv
-    heads = min(group, HEADS_PER_TASK)
     n_tasks = B * Hkv * -(-group // HEADS_PER_TASK) * -(-Nq // Q_TILE)
     flops = 2.0 * B * Hq * Nq * Nkv * (DK + DV)
     nbytes = q.nbytes + k.nbytes + v.nbytes + out.nbytes + (0 if mask is None else mask[..., :Nq, :].nbytes)
-    n_slots = min(_threads.threads_for(int(nbytes + BYTES_PER_FLOP * flops)), n_tasks)
+    work = int(nbytes + BYTES_PER_FLOP * flops)
+    n_threads = min(_threads.threads_for(work), n_tasks)
+    if n_threads == 1:
+        _run_tiles(_run_serial, 1, q, k, v, mask, slopes, sinks, scale, softcap, out)
+        return
+    with _threads.team("tiled", work, n_threads) as launch:
+        _run_tiles(_run_parallel, launch.n, q, k, v, mask, slopes, sinks, scale, softcap, out)
+
+
+def _run_tiles(run, n_slots: int, q, k, v, mask, slopes, sinks, scale: float, softcap: float, out) -> None:
+    """``run`` (``_run_serial`` / ``_run_parallel``) with ``n_slots`` thread slots of scratch."""
+    B, Hq, Nq, DK = q.shape
+    Nkv = k.shape[2]
+    DV = out.shape[3]
+    heads = min(Hq // k.shape[1], HEADS_PER_TASK)
     dv_pad = -(-DV // BLOCK_COLS) * BLOCK_COLS
     kv_pad = -(-KV_TILE // BLOCK_ROWS) * BLOCK_ROWS
     cols = heads * Q_TILE
@@ -377,4 +390,4 @@ def run_tiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     args = (next_task, q, k, v, mask, blocks, has_mask, slopes,
             _NO_SINKS if sinks is None else sinks, sinks is not None, np.float32(scale), np.float32(softcap), out,
             qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds)
-    call_any_layout(_run_serial if n_slots == 1 else _run_parallel, _USER_ARGS, *args)
+    call_any_layout(run, _USER_ARGS, *args)

@@ -121,10 +121,13 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
         if entry is not None and q.shape[2] == 1:  # decode only: no wasted out for a prefill call
             Hq = q.shape[1]
             result = np.empty((q.shape[0], 1, Hq, v.shape[3]), FLOAT32) if out is None else out
-            if entry(q, k, v, result, _slopes(Hq, 0.0), no_sinks(Hq), scale,
-                     path == "auto" and _split_storage(k.dtype, v.dtype), SPLIT_KV_MIN_NKV,
-                     ONE_CHUNK_MIN_UNITS_PER_THREAD, _threads.PARALLEL_MIN_BYTES, _threads.get_num_threads()):
-                return result
+            n_threads = _threads.get_num_threads()
+            with _decode_team(q, k, v, n_threads) as launch:
+                if entry(q, k, v, result, _slopes(Hq, 0.0), no_sinks(Hq), scale,
+                         path == "auto" and _split_storage(k.dtype, v.dtype), SPLIT_KV_MIN_NKV,
+                         ONE_CHUNK_MIN_UNITS_PER_THREAD, _threads.PARALLEL_MIN_BYTES, n_threads, launch.n):
+                    return result
+                launch.cancel()
     a = _args.parse(q, k, v, mask, scale, max_bias, logit_softcap, sinks, path, out, out_dtypes=(FLOAT32,))
     B, Hq, Nq, _ = q.shape
     Nkv = k.shape[2]
@@ -137,19 +140,29 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     result = np.empty(a.out_shape, FLOAT32) if out is None else out
     slopes = _slopes(Hq, a.max_bias)
     if (name == "one_chunk" and Nq == 1 and mask is None and sinks is None and a.max_bias == 0.0
-            and a.logit_softcap == 0.0 and k.__class__ is _ND and v.__class__ is _ND and _decode_route.run(
-                (k.dtype, v.dtype), q, k, v, result, slopes, no_sinks(Hq), a.scale, False, SPLIT_KV_MIN_NKV,
-                ONE_CHUNK_MIN_UNITS_PER_THREAD, _threads.PARALLEL_MIN_BYTES, _threads.get_num_threads())):
-        return result
+            and a.logit_softcap == 0.0 and k.__class__ is _ND and v.__class__ is _ND):
+        n_threads = _threads.get_num_threads()
+        with _decode_team(q, k, v, n_threads) as launch:
+            if _decode_route.run((k.dtype, v.dtype), q, k, v, result, slopes, no_sinks(Hq), a.scale, False,
+                                 SPLIT_KV_MIN_NKV, ONE_CHUNK_MIN_UNITS_PER_THREAD, _threads.PARALLEL_MIN_BYTES,
+                                 n_threads, launch.n):
+                return result
+            launch.cancel()
     _runner(name)(q, _kv_kernel_view(k), _kv_kernel_view(v), None if a.mask is None else kernel_view(a.mask), slopes,
                   a.sinks, a.scale, a.logit_softcap, result)
     return result
 
 
+def _decode_team(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_threads: int) -> _threads.Launch:
+    """The measured team of a decode route call (``_threads.team``): K/V bytes as ``decode_fast`` counts them."""
+    nbytes = q.shape[0] * k.shape[1] * k.shape[2] * (k.shape[3] * k.itemsize + v.shape[3] * v.itemsize)
+    return _threads.team("decode", nbytes, n_threads if nbytes >= _threads.PARALLEL_MIN_BYTES else 1)
+
+
 def _route_types(k_dtype, v_dtype) -> tuple:
     vector = array_type(FLOAT32, 1)
     return (array_type(FLOAT32, 4), array_type(k_dtype, 4), array_type(v_dtype, 4), array_type(FLOAT32, 4), vector,
-            vector, types.float64, types.boolean, types.int64, types.int64, types.int64, types.int64)
+            vector, types.float64, types.boolean, types.int64, types.int64, types.int64, types.int64, types.int64)
 
 
 #: Decode calls on one_chunk without mask, sinks, ALiBi or softcap, keyed on (k, v) dtypes (read-only K/V fit it

@@ -201,12 +201,12 @@ def rms_norm(x: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.nda
         out = np.empty(x.shape, x.dtype)
     if _run_route(x, None, out, eps):
         return out
-    run = _norm_serial if _threads.threads_for(2 * x.nbytes) == 1 else _norm_parallel
-    if x.ndim == 2:  # the common case directly: the generic merge costs a fifth of a small call
-        run(kernel_view(x), None, kernel_view(out), eps)
-        return out
-    for (xk, ok), _ in _blocks([x, out], None):
-        run(xk, None, ok, eps)
+    n = _threads.threads_for(2 * x.nbytes)
+    if n == 1:
+        _norm_rows(_norm_serial, x, None, out, eps)
+    else:
+        with _threads.team("rms_norm", 2 * x.nbytes, n):
+            _norm_rows(_norm_parallel, x, None, out, eps)
     return out
 
 
@@ -229,13 +229,22 @@ def rms_norm_mul(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | Non
         out = np.empty(x.shape, x.dtype)
     if _run_route(x, w, out, eps):
         return out
-    run = _norm_serial if _threads.threads_for(2 * x.nbytes) == 1 else _norm_parallel
-    if x.ndim == 2 and w.ndim == 1:  # the common case directly: the generic merge costs a fifth of a small call
-        run(kernel_view(x), kernel_view(w)[None], kernel_view(out), eps)
-        return out
-    for (xk, ok), (wk,) in _blocks([x, out], w):
-        run(xk, wk, ok, eps)
+    n = _threads.threads_for(2 * x.nbytes)
+    if n == 1:
+        _norm_rows(_norm_serial, x, w, out, eps)
+    else:
+        with _threads.team("rms_norm_mul", 2 * x.nbytes, n):
+            _norm_rows(_norm_parallel, x, w, out, eps)
     return out
+
+
+def _norm_rows(run, x: np.ndarray, w: np.ndarray | None, out: np.ndarray, eps: float) -> None:
+    """``run`` (a norm kernel) over x's rows into out, w (None for none) repeated along x's leading axes."""
+    if x.ndim == 2 and (w is None or w.ndim == 1):  # the common case directly: the generic merge costs a fifth
+        run(kernel_view(x), None if w is None else kernel_view(w)[None], kernel_view(out), eps)
+        return
+    for (xk, ok), weights in _blocks([x, out], w):
+        run(xk, None if w is None else weights[0], ok, eps)
 
 
 def add_rms_norm_mul(x: np.ndarray, residual: np.ndarray, w: np.ndarray, eps: float,
@@ -253,7 +262,12 @@ def add_rms_norm_mul(x: np.ndarray, residual: np.ndarray, w: np.ndarray, eps: fl
         sum_out = np.empty(x.shape, x.dtype)
     if out is None:
         out = np.empty(x.shape, x.dtype)
-    run = _add_norm_serial if _threads.threads_for(4 * x.nbytes) == 1 else _add_norm_parallel
-    for (xk, rk, sk, ok), (wk,) in _blocks([x, residual, sum_out, out], w):
-        run(xk, rk, wk, sk, ok, eps)
+    n = _threads.threads_for(4 * x.nbytes)
+    if n == 1:
+        for (xk, rk, sk, ok), (wk,) in _blocks([x, residual, sum_out, out], w):
+            _add_norm_serial(xk, rk, wk, sk, ok, eps)
+    else:
+        with _threads.team("add_rms_norm_mul", 4 * x.nbytes, n):
+            for (xk, rk, sk, ok), (wk,) in _blocks([x, residual, sum_out, out], w):
+                _add_norm_parallel(xk, rk, wk, sk, ok, eps)
     return sum_out, out

@@ -115,9 +115,11 @@ def _rotate(x: np.ndarray, out: np.ndarray, cs: np.ndarray, pairing: tuple) -> N
         if 2 * x.nbytes < _threads.PARALLEL_MIN_BYTES:
             if CACHED.run((x.dtype, x.dtype, 3, None), x, out, None, cs, pairing, _threads.PARALLEL_MIN_BYTES):
                 return
-        elif CACHED_PREFILL.run((x.dtype,), x, out, cs, pairing, _threads.PARALLEL_MIN_BYTES,
-                                _threads.get_num_threads()):
-            return
+        else:
+            with _team("apply_rope_cache", 2 * x.nbytes) as launch:
+                if CACHED_PREFILL.run((x.dtype,), x, out, cs, pairing, _threads.PARALLEL_MIN_BYTES, launch.n):
+                    return
+                launch.cancel()
     x4, out4 = _as_4d(x), _as_4d(out)
     if x4 is None or out4 is None:
         for index in np.ndindex(*x.shape[:-4]):
@@ -130,7 +132,8 @@ def _rotate(x: np.ndarray, out: np.ndarray, cs: np.ndarray, pairing: tuple) -> N
     n_threads = _threads.threads_for(nbytes) if nbytes >= _threads.PARALLEL_MIN_BYTES and xk.shape[1] > 1 else 1
     flags = (interleaved, out is x, token_layout(xk, ok))
     if n_threads > 1:
-        drive_parallel(xk, ok, None, None, cs, n_pairs, *flags, np.zeros(1, np.int64), n_threads)
+        with _threads.team("apply_rope_cache", nbytes, n_threads) as launch:
+            drive_parallel(xk, ok, None, None, cs, n_pairs, *flags, np.zeros(1, np.int64), launch.n)
     else:
         drive_serial(xk, ok, None, None, cs, n_pairs, *flags)
 
@@ -165,12 +168,13 @@ def _write_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, params: _args.
         return
     keep = _last_of_duplicates(idx)
     next_task = np.zeros(1, np.int64)
-    if cs is not None:
-        drive_parallel(x1, dk, idx, keep, cs, n_pairs, interleaved, False, layout, next_task, n_threads)
-    else:
-        table = params.table
-        drive_fused(x1, dk, idx, keep, pos, table.streams, table.w, table.step_cos, table.step_sin,
-                    table.cos_scale, table.sin_scale, interleaved, False, layout, next_task, n_threads)
+    with _threads.team("rope_set_rows", nbytes, n_threads) as launch:
+        if cs is not None:
+            drive_parallel(x1, dk, idx, keep, cs, n_pairs, interleaved, False, layout, next_task, launch.n)
+        else:
+            table = params.table
+            drive_fused(x1, dk, idx, keep, pos, table.streams, table.w, table.step_cos, table.step_sin,
+                        table.cos_scale, table.sin_scale, interleaved, False, layout, next_task, launch.n)
 
 
 def _write_quantized(dst: Quantized, data3: np.ndarray, x: np.ndarray, idx: np.ndarray, cs: np.ndarray,
@@ -181,10 +185,19 @@ def _write_quantized(dst: Quantized, data3: np.ndarray, x: np.ndarray, idx: np.n
     xk = kernel_view(x)
     layout = token_layout(xk, np.empty((1, x.shape[1], x.shape[2]), np.float32))  # into a C scratch
     nbytes = x.nbytes + x.size
-    parallel = n_tokens > 1 and _threads.threads_for(nbytes) > 1
-    keep = _last_of_duplicates(idx) if parallel else np.ones(n_tokens, np.bool_)
-    call_any_layout(rope_quantize_parallel if parallel else rope_quantize_serial, (0, 1, 2), xk, data3, idx, keep,
-                    cs, params.pairing[0], params.pairing[1], layout, QTYPE_CODES[dst.qtype])
+    n_threads = _threads.threads_for(nbytes) if n_tokens > 1 else 1
+    args = (cs, params.pairing[0], params.pairing[1], layout, QTYPE_CODES[dst.qtype])
+    if n_threads == 1:
+        call_any_layout(rope_quantize_serial, (0, 1, 2), xk, data3, idx, np.ones(n_tokens, np.bool_), *args)
+        return
+    with _threads.team("rope_set_rows_quantized", nbytes, n_threads):
+        call_any_layout(rope_quantize_parallel, (0, 1, 2), xk, data3, idx, _last_of_duplicates(idx), *args)
+
+
+def _team(op: str, nbytes: int) -> _threads.Launch:
+    """The measured team of a route whose ``prange`` driver takes its thread count (see ``_threads.team``): it
+    declines calls below ``PARALLEL_MIN_BYTES`` itself (then ``cancel``)."""
+    return _threads.team(op, nbytes, _threads.get_num_threads())
 
 
 def _fused_fits(x: np.ndarray, pos: np.ndarray, params: _args.RopeParams) -> bool:
@@ -215,8 +228,10 @@ def apply_rope_cache(x: np.ndarray, cache: RopeCache, *, out: np.ndarray | None 
             entry = CACHED_PREFILL.get((x.dtype,))
             if entry is not None:
                 y = np.empty(x.shape, x.dtype) if out is None else out
-                if entry(x, y, cache.cs, cache.pairing, _threads.PARALLEL_MIN_BYTES, _threads.get_num_threads()):
-                    return y
+                with _team("apply_rope_cache", 2 * x.nbytes) as launch:
+                    if entry(x, y, cache.cs, cache.pairing, _threads.PARALLEL_MIN_BYTES, launch.n):
+                        return y
+                    launch.cancel()
     _args.parse_x(x)
     cache.params.check_head_dim("x", x.shape[-1])
     if x.shape[-3] != cache.n_tokens:
@@ -247,8 +262,10 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
             freq_factors, sections, backward)
         if params is not None:
             y = np.empty(x.shape, x.dtype) if out is None else out
-            if entry(x, y, None, pos, params.plan, _threads.PARALLEL_MIN_BYTES, _threads.get_num_threads()):
-                return y
+            with _team("rope_ext", 2 * x.nbytes) as launch:
+                if entry(x, y, None, pos, params.plan, _threads.PARALLEL_MIN_BYTES, launch.n):
+                    return y
+                launch.cancel()
     params = _params(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast,
                      beta_slow, freq_factors, sections, backward)
     _args.parse_x(x)
@@ -258,19 +275,21 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
     y = np.empty(x.shape, x.dtype) if out is None else out
     nbytes = 2 * x.nbytes
     if nbytes >= _threads.PARALLEL_MIN_BYTES and x.shape[-3] >= 2 * CACHE_BLOCK:
-        n_threads = _threads.get_num_threads()
-        if _fused_fits(x, pos, params) and FUSED.run((x.dtype, x.dtype, 3, None), x, y, None, pos, params.plan,
-                                                     _threads.PARALLEL_MIN_BYTES, n_threads):
-            return y
+        with _team("rope_ext", nbytes) as launch:
+            if _fused_fits(x, pos, params) and FUSED.run((x.dtype, x.dtype, 3, None), x, y, None, pos, params.plan,
+                                                         _threads.PARALLEL_MIN_BYTES, launch.n):
+                return y
+            launch.cancel()
         n_threads = _threads.threads_for(nbytes)
         x4, y4 = _as_4d(x), _as_4d(y)
         if n_threads > 1 and x4 is not None and y4 is not None:  # one pass: cos/sin made per block of tokens
             xk = kernel_view(x4)
             yk = xk if y is x else kernel_view(y4)
             table = params.table
-            drive_fused(xk, yk, None, None, streams, table.streams, table.w, table.step_cos, table.step_sin,
-                        table.cos_scale, table.sin_scale, params.interleaved, y is x, token_layout(xk, yk),
-                        np.zeros(1, np.int64), n_threads)
+            with _threads.team("rope_ext", nbytes, n_threads) as launch:
+                drive_fused(xk, yk, None, None, streams, table.streams, table.w, table.step_cos, table.step_sin,
+                            table.cos_scale, table.sin_scale, params.interleaved, y is x, token_layout(xk, yk),
+                            np.zeros(1, np.int64), launch.n)
             return y
     _rotate(x, y, build_cs(streams, params), params.pairing)
     return y
@@ -294,9 +313,11 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
         params = None if entry is None else _args.known_params(
             n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
             freq_factors, sections, backward)
-        if params is not None and entry(x, dst, idx, pos, params.plan, _threads.PARALLEL_MIN_BYTES,
-                                        _threads.get_num_threads()):
-            return dst
+        if params is not None:
+            with _team("rope_set_rows", x.size * (x.itemsize + dst.itemsize)) as launch:
+                if entry(x, dst, idx, pos, params.plan, _threads.PARALLEL_MIN_BYTES, launch.n):
+                    return dst
+                launch.cancel()
     params = _params(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast,
                      beta_slow, freq_factors, sections, backward)
     dst3, idx = _args.parse_set_rows(dst, x, idx, params, dst_dtypes=STORAGE_FLOATS,
@@ -313,9 +334,12 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
         if not CACHED.run(key, x, dst, idx, cs, params.pairing, _threads.PARALLEL_MIN_BYTES):
             _write_rows(dst3, x, idx, params, cs=cs)
         return dst
-    if not (_fused_fits(x, pos, params)
-            and FUSED.run(key, x, dst, idx, pos, params.plan, _threads.PARALLEL_MIN_BYTES, _threads.get_num_threads())):
-        _write_rows(dst3, x, idx, params, pos=streams)
+    if _fused_fits(x, pos, params):
+        with _team("rope_set_rows", x.size * (x.itemsize + dst.itemsize)) as launch:
+            if FUSED.run(key, x, dst, idx, pos, params.plan, _threads.PARALLEL_MIN_BYTES, launch.n):
+                return dst
+            launch.cancel()
+    _write_rows(dst3, x, idx, params, pos=streams)
     return dst
 
 

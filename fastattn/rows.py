@@ -145,14 +145,21 @@ def _set_rows_quantized(dst: Quantized, src: np.ndarray, idx: np.ndarray) -> Qua
         bad = _args.first_bad_index(idx, n_rows)
         if bad is not None:
             raise _args.index_error(idx, n_rows, bad)
+    if n_workers == 1:
+        _write_blocks(blocks, idx, n_rows, lambda dk, sk, ik: _set_quantized_serial(dk, sk, ik, code))
+    else:
+        with _threads.team("set_rows_quantized", src.size * (src.itemsize + 1), n_workers) as launch:
+            _write_blocks(blocks, idx, n_rows,
+                          lambda dk, sk, ik: _set_quantized_parallel(dk, sk, ik, code, launch.n))
+    return dst
+
+
+def _write_blocks(blocks, idx: np.ndarray, n_rows: int, write) -> None:
+    """``write(dst, src, idx)`` per merged block; a bad index it reports (its flat position, >= 0) raises."""
     for (dk, sk), (ik,) in blocks:
-        if n_workers == 1:
-            bad = _set_quantized_serial(dk, sk, ik, code)
-        else:
-            bad = _set_quantized_parallel(dk, sk, ik, code, n_workers)
+        bad = write(dk, sk, ik)
         if bad >= 0:
             raise _args.index_error(idx, n_rows, tuple(int(i) for i in np.unravel_index(bad, idx.shape)))
-    return dst
 
 
 def _route_types(dst_dtype, src_dtype, idx_dtype) -> tuple:
@@ -194,11 +201,9 @@ def set_rows(dst: np.ndarray, src: np.ndarray, idx: np.ndarray) -> np.ndarray:
         bad = _args.first_bad_index(idx, n_rows)
         if bad is not None:
             raise _args.index_error(idx, n_rows, bad)
-    for (dk, sk), (ik,) in blocks:
-        if n_workers == 1:
-            bad = _set_rows_serial(dk, sk, ik)
-        else:
-            bad = _set_rows_parallel(dk, sk, ik, n_workers)
-        if bad >= 0:
-            raise _args.index_error(idx, n_rows, tuple(int(i) for i in np.unravel_index(bad, idx.shape)))
+    if n_workers == 1:
+        _write_blocks(blocks, idx, n_rows, _set_rows_serial)
+    else:
+        with _threads.team("set_rows", src.size * (src.itemsize + dst.itemsize), n_workers) as launch:
+            _write_blocks(blocks, idx, n_rows, lambda dk, sk, ik: _set_rows_parallel(dk, sk, ik, launch.n))
     return dst

@@ -282,8 +282,9 @@ def forget_routes() -> None:
 
 
 def parallel_min_bytes(nbytes: int):
-    """``with parallel_min_bytes(0):`` ops run their parallel kernels from ``nbytes`` moved (the parallel code on
-    small test shapes). Process-wide: not while other threads run ops."""
+    """``with parallel_min_bytes(0):`` ops run their parallel kernels from ``nbytes`` moved, on every thread of
+    the count (the parallel code on small test shapes; no measured choice). Process-wide: not while other
+    threads run ops."""
     from . import _threads
 
     return _threads.parallel_min_bytes(nbytes)

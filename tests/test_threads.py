@@ -1,5 +1,9 @@
-"""Thread control: the process-wide count, the per-thread override, and the serial rule for small work."""
+"""Thread control: the process-wide count, the per-thread override, the serial rule for small work and the
+measured choice between all threads and one."""
 import threading
+import time
+
+import numpy as np
 
 import pytest
 
@@ -134,3 +138,112 @@ def test_concurrent_parallel_calls_under_each_threading_layer(layer):
                          timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split() == [layer, "0"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The measured rule: a call site runs its prange kernel on all threads or on one, whichever it has timed faster.
+@pytest.fixture
+def measured_rule():
+    saved = _threads.get_thread_rule()
+    _threads.set_thread_rule("measured")
+    _threads._sites.clear()
+    try:
+        yield
+    finally:
+        _threads.set_thread_rule(saved)
+        _threads._sites.clear()
+
+
+def _timed_calls(n_calls: int, seconds_on: dict[int, float], op: str = "test_op") -> list[int]:
+    """n_calls launches of one call site whose block sleeps ``seconds_on[launch.n]``; the thread counts used."""
+    used = []
+    for _ in range(n_calls):
+        with _threads.team(op, 1 << 22, 2) as launch:
+            time.sleep(seconds_on[launch.n])
+        used.append(launch.n)
+    return used
+
+
+def test_measured_rule_tries_both_then_takes_the_faster_and_retries_the_other(measured_rule):
+    used = _timed_calls(2 * _threads.RETRY_EVERY + 1, {1: 0.0005, 2: 0.004})
+    assert used[:6] == [2, 2, 2, 1, 1, 1]  # each choice three times (the first of each not counted)
+    later = used[6:]
+    # one thread was faster: it runs, but for a retry of two threads once every RETRY_EVERY calls
+    assert later.count(2) == sum(1 for c in range(7, len(used) + 1) if c % _threads.RETRY_EVERY == 0)
+    assert later.count(2) >= 1
+
+
+def test_measured_rule_keeps_all_threads_when_they_are_faster(measured_rule):
+    used = _timed_calls(_threads.RETRY_EVERY + 8, {1: 0.004, 2: 0.0005})
+    later = used[6:]
+    assert later.count(1) == 1 and later.count(2) == len(later) - 1
+
+
+def test_measured_rule_follows_a_change_of_surroundings(measured_rule):
+    _timed_calls(10, {1: 0.0005, 2: 0.004})
+    used = _timed_calls(4 * _threads.RETRY_EVERY, {1: 0.004, 2: 0.0005})  # now all threads are faster
+    # all threads again, but for the retries of one thread (one per RETRY_EVERY calls)
+    assert used[-2 * _threads.RETRY_EVERY:].count(1) == 2
+
+
+def test_long_calls_always_run_on_all_threads(measured_rule, monkeypatch):
+    monkeypatch.setattr(_threads, "ALWAYS_PARALLEL_S", 0.001)
+    assert _timed_calls(8, {1: 0.0001, 2: 0.002}) == [2] * 8
+
+
+def test_cancelled_or_failed_launches_are_not_counted(measured_rule):
+    for _ in range(3):
+        with _threads.team("test_op", 1 << 22, 2) as launch:
+            launch.cancel()
+    with pytest.raises(RuntimeError):
+        with _threads.team("test_op", 1 << 22, 2):
+            raise RuntimeError("kernel failed")
+    site = _threads._sites[("test_op", 2, 23)]
+    assert site.tries == [0, 0]
+
+
+def test_fixed_rule_and_the_test_hook_launch_on_every_thread(measured_rule):
+    with _threads.parallel_min_bytes(0):
+        assert _timed_calls(8, {1: 0.0, 2: 0.001}) == [2] * 8
+    _threads.set_thread_rule("fixed")
+    assert _timed_calls(8, {1: 0.0, 2: 0.001}) == [2] * 8
+    assert _threads.team("test_op", 1 << 22, 1).n == 1
+
+
+def test_set_thread_rule_refuses_an_unknown_rule():
+    with pytest.raises(ValueError, match="rule must be one of"):
+        fastattn.set_thread_rule("fastest")
+
+
+def _ops_above_the_size_rule():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((600, 1024)).astype(np.float32)
+    w = rng.standard_normal(1024).astype(np.float32)
+    rows = rng.standard_normal((512, 8, 128)).astype(np.float32)
+    pos = np.arange(512, dtype=np.int32)
+    q = rng.standard_normal((1, 32, 1, 128)).astype(np.float32)
+    kv = rng.standard_normal((2, 1, 8, 1024, 128)).astype(np.float16)
+    qp = rng.standard_normal((1, 4, 96, 64)).astype(np.float32)
+    kp = rng.standard_normal((1, 2, 1024, 64)).astype(np.float32)
+    return {
+        "rms_norm_mul": lambda: fastattn.rms_norm_mul(x, w, 1e-5),
+        "set_rows": lambda: fastattn.set_rows(np.zeros((2048, 1024), np.float16), x, np.arange(600) * 3),
+        "rope_ext": lambda: fastattn.rope_ext(rows, pos, n_dims=128, mode=fastattn.ROPE_NEOX),
+        "rope_set_rows": lambda: fastattn.rope_set_rows(np.zeros((1024, 8, 128), np.float16), rows, pos, pos * 2,
+                                                        n_dims=128, mode=fastattn.ROPE_NEOX),
+        "decode": lambda: fastattn.flash_attn_ext(q, kv[0], kv[1], scale=0.088, path="one_chunk"),
+        "split_kv": lambda: fastattn.flash_attn_ext(q, kv[0], kv[1], scale=0.088, path="split_kv"),
+        "tiled": lambda: fastattn.flash_attn_ext(qp, kp, kp, scale=0.125, path="tiled"),
+    }
+
+
+@pytest.mark.parametrize("op", list(_ops_above_the_size_rule()))
+def test_both_measured_choices_give_the_same_result(measured_rule, op):
+    """The first six calls of a call site run on 2 threads, then on 1: the outputs are identical."""
+    call = _ops_above_the_size_rule()[op]
+    with fastattn.num_threads(2):
+        first = call()
+        for _ in range(6):
+            assert np.array_equal(call(), first)
+    sites = [site for key, site in _threads._sites.items() if key[1] == 2]
+    assert sites and all(site.tries[0] >= 3 and site.tries[1] >= 3 for site in sites)

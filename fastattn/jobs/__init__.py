@@ -137,7 +137,8 @@ def run(ops: Iterable[str] | None = None, threads: Iterable[int | None] = (None,
         total, k = len(first) * len(counts), 0
         for i, n_threads in enumerate(counts):
             cases = first if i == 0 else build(wanted, config)  # fresh inputs: some cases work in place
-            with _threads.num_threads(n_threads) as n:
+            # each figure is labelled with its thread count: the prange kernels run on that many (fixed rule)
+            with _threads.num_threads(n_threads) as n, _threads.thread_rule("fixed"):
                 for case in cases:
                     k += 1
                     if progress:
