@@ -17,7 +17,8 @@ Run it as a user leaves the OpenMP runtime, then as torch and ggml users often r
     python -m pytest bench/bench_layer.py --benchmark-group-by=group
     OMP_WAIT_POLICY=PASSIVE python -m pytest bench/bench_layer.py --benchmark-group-by=group
 
-``extra_info["omp_wait_policy"]`` says which one a table came from.
+``extra_info["omp_wait_policy"]`` says which one a table came from; ``FASTATTN_THREAD_RULE=fixed`` in front runs
+the layer with every ``prange`` kernel on the thread count it names (``extra_info["thread_rule"]``).
 """
 from __future__ import annotations
 
@@ -41,8 +42,10 @@ from example_layer import load_example  # noqa: E402
 
 N_CTX = 4096
 N_PREFILL = 512
-DECODE_ROUNDS = 12
-PREFILL_ROUNDS = 4
+DECODE_ROUNDS = 24
+PREFILL_ROUNDS = 8
+#: fastattn's thread rule in the layer: the default unless FASTATTN_THREAD_RULE names another
+RULE = os.environ.get("FASTATTN_THREAD_RULE", "measured")
 BACK_TO_BACK = 30
 #: the layer's fastattn steps and the public calls each one makes
 STEP_CALLS = {"rms_norm_mul": ("rms_norm_mul",), "rope": ("rope_cache", "apply_rope_cache"),
@@ -80,7 +83,7 @@ def user_blas():
     """NumPy's BLAS on every core and fastattn's default thread rule while the test runs (as a user leaves
     them); back to one BLAS thread and the benchmarks' fixed rule after."""
     set_blas_threads(os.cpu_count() or 1)
-    _threads.set_thread_rule("measured")
+    _threads.set_thread_rule(RULE)
     yield
     _threads.set_thread_rule("fixed")
     set_blas_threads(1)
@@ -145,6 +148,7 @@ def _run_layer(benchmark, example, stage: str, rounds: int):
         return
     info = benchmark.extra_info
     info["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "(unset)")
+    info["thread_rule"] = RULE
     info["blas_threads"] = os.cpu_count()
     for step in STEP_CALLS:
         for threads in (1, 2):

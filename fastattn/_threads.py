@@ -10,9 +10,10 @@ NumPy matmul whose BLAS threads still spin (``bench/bench_layer.py::test_pool_wa
 2. **Measured launches** (``team``). Above it the op runs its ``prange`` kernel, on ``get_num_threads()``
    threads or on the calling thread alone, whichever has been faster *where the op runs*: per call site (op,
    thread count, size class: a power of two of bytes) the rule keeps a running mean of the wall time of each
-   choice, tries each twice first (the first try of each is not counted: it may compile), then takes the faster
-   (all threads only when at least ``PARALLEL_GAIN`` faster) and tries the other once every ``RETRY_EVERY``
-   calls, so it follows a program whose surroundings change.
+   choice, tries each ``TRIES`` times first (the first try of each is not counted: it may compile), then takes
+   the faster (all threads only when at least ``PARALLEL_GAIN`` faster) and tries the other once every
+   ``RETRY_EVERY`` calls, every ``RETRY_CLOSE`` while the two are within ``CLOSE`` of each other, so it follows
+   a program whose surroundings change.
    A call whose parallel time exceeds ``ALWAYS_PARALLEL_S`` always runs parallel (longer than any wake-up seen).
 
 Results never depend on the choice: every op and every forced attention path gives the same bits on any number
@@ -115,8 +116,13 @@ def threads_for(nbytes: int) -> int:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Measured launches: the prange kernel on n threads or on one, whichever has been faster at this call site.
-#: A call site tries the choice it does not hold once every this many calls.
+#: Tries of each choice before the first comparison (the first is not counted).
+TRIES = 4
+#: A call site tries the choice it does not hold once every this many calls; every RETRY_CLOSE calls while that
+#: choice's mean is within CLOSE times the held one's (a retry then costs little and the means are noisy).
 RETRY_EVERY = 32
+RETRY_CLOSE = 4
+CLOSE = 1.25
 #: Calls whose parallel time is above this always run parallel: no wake-up costs that much.
 ALWAYS_PARALLEL_S = 0.02
 #: All threads are chosen when their mean time is at least this fraction below one thread's: a core is left to
@@ -171,14 +177,15 @@ class _Site:
 
     def choose(self) -> int:
         self.calls += 1
-        if self.tries[1] < 3:  # parallel first (the first try may compile; it is not counted)
+        if self.tries[1] < TRIES:  # parallel first (the first try may compile; it is not counted)
             return 1
         if self.mean[1] > ALWAYS_PARALLEL_S:
             return 1
-        if self.tries[0] < 3:
+        if self.tries[0] < TRIES:
             return 0
         best = 1 if self.mean[1] < (1.0 - PARALLEL_GAIN) * self.mean[0] else 0
-        return 1 - best if self.calls % RETRY_EVERY == 0 else best
+        close = self.mean[1 - best] < CLOSE * self.mean[best]
+        return 1 - best if self.calls % (RETRY_CLOSE if close else RETRY_EVERY) == 0 else best
 
     def record(self, choice: int, seconds: float) -> None:
         tries = self.tries[choice] = self.tries[choice] + 1

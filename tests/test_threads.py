@@ -166,16 +166,23 @@ def _timed_calls(n_calls: int, seconds_on: dict[int, float], op: str = "test_op"
 
 def test_measured_rule_tries_both_then_takes_the_faster_and_retries_the_other(measured_rule):
     used = _timed_calls(2 * _threads.RETRY_EVERY + 1, {1: 0.0005, 2: 0.004})
-    assert used[:6] == [2, 2, 2, 1, 1, 1]  # each choice three times (the first of each not counted)
-    later = used[6:]
-    # one thread was faster: it runs, but for a retry of two threads once every RETRY_EVERY calls
-    assert later.count(2) == sum(1 for c in range(7, len(used) + 1) if c % _threads.RETRY_EVERY == 0)
+    tries = _threads.TRIES
+    assert used[:2 * tries] == [2] * tries + [1] * tries  # each choice TRIES times (the first not counted)
+    later = used[2 * tries:]
+    # one thread was far faster: it runs, but for a retry of two threads once every RETRY_EVERY calls
+    assert later.count(2) == sum(1 for c in range(2 * tries + 1, len(used) + 1) if c % _threads.RETRY_EVERY == 0)
     assert later.count(2) >= 1
+
+
+def test_measured_rule_retries_more_often_when_the_choices_are_close(measured_rule):
+    used = _timed_calls(2 * _threads.TRIES + 4 * _threads.RETRY_CLOSE, {1: 0.002, 2: 0.0022})
+    later = used[2 * _threads.TRIES:]
+    assert later.count(2) == 4 and later.count(1) == len(later) - 4
 
 
 def test_measured_rule_keeps_all_threads_when_they_are_faster(measured_rule):
     used = _timed_calls(_threads.RETRY_EVERY + 8, {1: 0.004, 2: 0.0005})
-    later = used[6:]
+    later = used[2 * _threads.TRIES:]
     assert later.count(1) == 1 and later.count(2) == len(later) - 1
 
 
@@ -239,11 +246,11 @@ def _ops_above_the_size_rule():
 
 @pytest.mark.parametrize("op", list(_ops_above_the_size_rule()))
 def test_both_measured_choices_give_the_same_result(measured_rule, op):
-    """The first six calls of a call site run on 2 threads, then on 1: the outputs are identical."""
+    """A call site's first calls run on 2 threads, the next ones on 1: the outputs are identical."""
     call = _ops_above_the_size_rule()[op]
     with fastattn.num_threads(2):
         first = call()
-        for _ in range(6):
+        for _ in range(2 * _threads.TRIES - 1):
             assert np.array_equal(call(), first)
     sites = [site for key, site in _threads._sites.items() if key[1] == 2]
-    assert sites and all(site.tries[0] >= 3 and site.tries[1] >= 3 for site in sites)
+    assert sites and all(site.tries[0] >= _threads.TRIES and site.tries[1] >= _threads.TRIES for site in sites)
