@@ -190,8 +190,9 @@ def _write_quantized(dst: Quantized, data3: np.ndarray, x: np.ndarray, idx: np.n
     if n_threads == 1:
         call_any_layout(rope_quantize_serial, (0, 1, 2), xk, data3, idx, np.ones(n_tokens, np.bool_), *args)
         return
-    with _threads.team("rope_set_rows_quantized", nbytes, n_threads):
-        call_any_layout(rope_quantize_parallel, (0, 1, 2), xk, data3, idx, _last_of_duplicates(idx), *args)
+    with _threads.team("rope_set_rows_quantized", nbytes, n_threads) as launch:
+        call_any_layout(rope_quantize_parallel, (0, 1, 2), xk, data3, idx, _last_of_duplicates(idx), *args,
+                        np.zeros(1, np.int64), launch.n)
 
 
 def _team(op: str, nbytes: int) -> _threads.Launch:
