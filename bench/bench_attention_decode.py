@@ -8,8 +8,8 @@ stays in L3 and the timing is the DRAM-bound one a model sees. GB/s in ``extra_i
 Numba ``prange`` sum), in the same run: the float32 target is >= 70% of it, the float16 target >= 12 GB/s at
 Nkv 4096 with 2 threads.
 
-``test_decode_float32_vs_dram_paired`` calls the DRAM probe, ``auto``, ``split_kv`` and ``one_chunk`` (float32,
-Nkv 4096) in each round, in an order that rotates from round to round, and records the fraction of the probe's
+``test_decode_vs_dram_paired`` calls the DRAM probe, ``auto``, ``split_kv`` and ``one_chunk`` (float32 and
+float16, Nkv 4096 and 16384) in each round, in an order that rotates from round to round, and records the fraction of the probe's
 bandwidth each path reaches (``extra_info["dram/auto"]`` ...): separate benchmarks, a minute apart on this shared
 machine, read the ratio poorly (the probe alone moved between 1.2 and 1.5 ms within the hour).
 
@@ -145,9 +145,12 @@ PAIRED_ROUNDS = 12
 
 
 @pytest.mark.parametrize("threads", THREADS)
-def test_decode_float32_vs_dram_paired(benchmark, threads):
-    """Nkv 4096 float32: the DRAM probe and the three paths, each on the next cold layer, every round."""
-    layers = Layers.get(TARGET_N_KV, np.float32)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("n_kv", [TARGET_N_KV, 16384])
+def test_decode_vs_dram_paired(benchmark, n_kv, dtype, threads):
+    """The DRAM probe and the three paths, each on the next cold layer, every round: each path's share of the
+    probe's bandwidth (the probe widens float16 as the kernels do)."""
+    layers = Layers.get(n_kv, np.dtype(dtype))
     q = _query()
     out = np.empty((1, 1, HQ, D), np.float32)
     calls = {"dram": lambda k, v: _dram_read(k, v, threads)}
@@ -164,7 +167,7 @@ def test_decode_float32_vs_dram_paired(benchmark, threads):
             calls[name](k, v)
             times[name].append(time.perf_counter() - start)
 
-    measure(benchmark, all_four, group=f"decode Nkv {TARGET_N_KV} float32 vs DRAM read, paired", threads=threads,
+    measure(benchmark, all_four, group=f"decode Nkv {n_kv} {dtype} vs DRAM read, paired", threads=threads,
             nbytes=len(names) * layers.bytes, rounds=PAIRED_ROUNDS)
     if benchmark.stats is None:  # --benchmark-disable: one untimed round, no ratio to record
         return
