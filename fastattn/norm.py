@@ -201,12 +201,7 @@ def rms_norm(x: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.nda
         out = np.empty(x.shape, x.dtype)
     if _run_route(x, None, out, eps):
         return out
-    n = _threads.threads_for(2 * x.nbytes)
-    if n == 1:
-        _norm_rows(_norm_serial, x, None, out, eps)
-    else:
-        with _threads.team("rms_norm", 2 * x.nbytes, n):
-            _norm_rows(_norm_parallel, x, None, out, eps)
+    _norm_rows("rms_norm", x, None, out, eps)
     return out
 
 
@@ -229,17 +224,23 @@ def rms_norm_mul(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | Non
         out = np.empty(x.shape, x.dtype)
     if _run_route(x, w, out, eps):
         return out
-    n = _threads.threads_for(2 * x.nbytes)
-    if n == 1:
-        _norm_rows(_norm_serial, x, w, out, eps)
-    else:
-        with _threads.team("rms_norm_mul", 2 * x.nbytes, n):
-            _norm_rows(_norm_parallel, x, w, out, eps)
+    _norm_rows("rms_norm_mul", x, w, out, eps)
     return out
 
 
-def _norm_rows(run, x: np.ndarray, w: np.ndarray | None, out: np.ndarray, eps: float) -> None:
-    """``run`` (a norm kernel) over x's rows into out, w (None for none) repeated along x's leading axes."""
+def _norm_rows(op: str, x: np.ndarray, w: np.ndarray | None, out: np.ndarray, eps: float) -> None:
+    """The norm of x's rows into out, w (None for none) repeated along x's leading axes: serially below the
+    threading rule's size, else on the call site's measured team (``_threads``)."""
+    n = _threads.threads_for(2 * x.nbytes)
+    if n == 1:
+        _norm_rows_with(_norm_serial, x, w, out, eps)
+    else:
+        with _threads.team(op, 2 * x.nbytes, n):
+            _norm_rows_with(_norm_parallel, x, w, out, eps)
+
+
+def _norm_rows_with(run, x: np.ndarray, w: np.ndarray | None, out: np.ndarray, eps: float) -> None:
+    """``run`` (a norm kernel) over x's rows into out."""
     if x.ndim == 2 and (w is None or w.ndim == 1):  # the common case directly: the generic merge costs a fifth
         run(kernel_view(x), None if w is None else kernel_view(w)[None], kernel_view(out), eps)
         return
