@@ -196,9 +196,9 @@ def _write_quantized(dst: Quantized, data3: np.ndarray, x: np.ndarray, idx: np.n
 
 
 def _team(op: str, nbytes: int) -> _threads.Launch:
-    """The measured team of a route whose ``prange`` driver takes its thread count (see ``_threads.team``): it
-    declines calls below ``PARALLEL_MIN_BYTES`` itself (then ``cancel``)."""
-    return _threads.team(op, nbytes, _threads.get_num_threads())
+    """The measured team of a route whose ``prange`` driver takes its thread count (see ``_threads.team``); the
+    route declines calls below ``PARALLEL_MIN_BYTES`` itself (the caller then cancels)."""
+    return _threads.team(op, nbytes, _threads.get_num_threads() if nbytes >= _threads.PARALLEL_MIN_BYTES else 1)
 
 
 def _fused_fits(x: np.ndarray, pos: np.ndarray, params: _args.RopeParams) -> bool:
