@@ -18,8 +18,9 @@ NumPy matmul whose BLAS threads still spin (``bench/bench_layer.py::test_pool_wa
 
 Results never depend on the choice: every op and every forced attention path gives the same bits on any number
 of threads, and ``auto``'s path choice reads ``get_num_threads()``, never the measured team. The call sites'
-records are shared by the process's Python threads; a lost update under a race only changes a timing. ``set_thread_rule("fixed")`` (or ``FASTATTN_THREAD_RULE=fixed``) turns part 2 off: the ``prange``
-kernels then always run on ``get_num_threads()`` threads, as benchmarks and tests want.
+records are shared by the process's Python threads; a lost update under a race only changes a timing.
+``set_thread_rule("fixed")`` (or ``FASTATTN_THREAD_RULE=fixed``) turns part 2 off: the ``prange`` kernels then
+always run on ``get_num_threads()`` threads, as benchmarks and tests want.
 
 The thread count is process-wide (``set_num_threads``) with an override for a block of code
 (``with num_threads(n):``), held in a ``contextvars.ContextVar``: it covers the calling Python thread and, under
@@ -259,8 +260,6 @@ def team(op: str, nbytes: int, n: int) -> Launch:
             _sites.clear()
         site = _sites[key] = _Site()
     return Team(site, n)
-
-
 
 
 # ---------------------------------------------------------------------------------------------------------------
