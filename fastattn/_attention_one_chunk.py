@@ -15,7 +15,7 @@ Arrays are read flat (``_attention_group.flat4``): nothing is copied but the gro
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
+from numba import prange, types
 
 from . import _threads
 from ._attention_group import group_rows, load_group_queries
@@ -23,7 +23,7 @@ from ._attention_layout import element_strides, flat4, flat_mask, live_range, no
 from ._attention_rows import ROWS
 from ._attention_softmax import finalize
 from ._dispatch import aligned, meta, overlaps, unit_rows
-from ._kernel import assume_contiguous, call_any_layout, fetch_add, kernel, use_threads
+from ._kernel import assume_contiguous, call_any_layout, call_unit, fetch_add, kernel, use_threads
 from ._validate import FLOAT32_MAX  # the largest |scale|: the fast path declines the rest, the general path raises
 
 #: Query rows per work unit: enough units to balance two threads at small Nq, few enough to amortise the scratch.
@@ -73,22 +73,26 @@ def _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, u):
                      ost[3])
 
 
+#: The drivers' unit (``_kernel.call_any_layout``): ``_unit`` on the drivers' first ten arguments and a unit number.
+UNIT = (_unit, tuple(range(10)), (types.int64,))
+
+
 @kernel
-def _serial(q, k, v, mask, slopes, sinks, scale, softcap, out, spans):
+def _serial(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, spans):
     n_units = q.shape[0] * k.shape[1] * ((q.shape[2] + ROW_CHUNK - 1) // ROW_CHUNK)
     for u in range(n_units):
-        _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, u)
+        call_unit(unit, (q, k, v, mask, slopes, sinks, scale, softcap, out, spans, u))
 
 
 @kernel(parallel=True)
-def _parallel(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, next_unit, n_threads):
+def _parallel(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, next_unit, n_threads):
     n_units = q.shape[0] * k.shape[1] * ((q.shape[2] + ROW_CHUNK - 1) // ROW_CHUNK)
     # one iteration per thread, each taking units from the shared counter: decode has few units (one per KV
     # head), and a static split leaves a thread whose core is busy elsewhere deciding the time
     for _ in prange(n_threads):
         u = fetch_add(next_unit)
         while u < n_units:
-            _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, u)
+            call_unit(unit, (q, k, v, mask, slopes, sinks, scale, softcap, out, spans, u))
             u = fetch_add(next_unit)
 
 
@@ -110,9 +114,9 @@ def run_one_chunk(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
             out, spans_of(mask, Nq))
     if n_threads > 1:
         with _threads.team("one_chunk", nbytes, n_threads) as launch:
-            call_any_layout(_parallel, STRIDED, *args, np.zeros(1, np.int64), launch.n)
+            call_any_layout(_parallel, STRIDED, *args, np.zeros(1, np.int64), launch.n, unit=UNIT)
     else:
-        call_any_layout(_serial, STRIDED, *args)
+        call_any_layout(_serial, STRIDED, *args, unit=UNIT)
 
 
 @kernel
@@ -125,7 +129,7 @@ def splits_decode(B, Nq, Hkv, Nkv, same_storage, n_threads, min_nkv, min_units_p
 
 
 @kernel
-def decode_fast(q, k, v, out, slopes, sinks, scale, auto_splittable, min_nkv, min_units_per_thread, min_bytes,
+def decode_fast(unit, q, k, v, out, slopes, sinks, scale, auto_splittable, min_nkv, min_units_per_thread, min_bytes,
                 n_threads, launch_threads):
     """The decode fast path of ``flash_attn_ext`` (``_dispatch``): one_chunk on q (B, Hq, 1, DK) float32 and
     k/v kernel views, no mask, softcap or ALiBi, slopes all ones and sinks -inf (Hq,). Returns False, having
@@ -155,9 +159,9 @@ def decode_fast(q, k, v, out, slopes, sinks, scale, auto_splittable, min_nkv, mi
     nbytes = B * Hkv * Nkv * (DK * k.itemsize + DV * v.itemsize)
     if launch_threads > 1 and nbytes >= min_bytes:
         use_threads(launch_threads)
-        _parallel(q, k, v, None, slopes_c, sinks_c, np.float32(scale), np.float32(0.0), out,
+        _parallel(unit, q, k, v, None, slopes_c, sinks_c, np.float32(scale), np.float32(0.0), out,
                   np.zeros((1, 1, 1, 2), np.int64), np.zeros(1, np.int64), launch_threads)
     else:
-        _serial(q, k, v, None, slopes_c, sinks_c, np.float32(scale), np.float32(0.0), out,
+        _serial(unit, q, k, v, None, slopes_c, sinks_c, np.float32(scale), np.float32(0.0), out,
                 np.zeros((1, 1, 1, 2), np.int64))
     return True

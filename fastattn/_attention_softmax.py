@@ -16,7 +16,7 @@ from ._kernel import fast_exp, kernel, to_f32
 NEG_INF = np.float32(-np.inf)
 
 
-@kernel(inline=True)
+@kernel(llvm_inline=True)
 def _logit(dot, scale, softcap):
     x = np.float32(dot * scale)
     if softcap != 0.0:
@@ -24,7 +24,7 @@ def _logit(dot, scale, softcap):
     return x
 
 
-@kernel(inline=True)
+@kernel(llvm_inline=True)
 def _score(sc, g, r, dot, scale, softcap, unmasked):
     """sc[g, r] = its logit (unmasked) or mask term + logit; a hidden score (mask term -inf) stays -inf, whatever
     the K row holds (a row hidden for one head of a register block may be live for another)."""

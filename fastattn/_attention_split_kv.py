@@ -30,14 +30,14 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from numba import prange
+from numba import prange, types
 
 from . import _threads
 from ._attention_group import group_rows, load_group_queries
 from ._attention_layout import element_strides, flat4, flat_mask, live_range, no_sinks, spans_of
 from ._attention_rows import ROWS
 from ._attention_softmax import finalize
-from ._kernel import call_any_layout, fast_exp, fetch_add, kernel
+from ._kernel import call_any_layout, call_unit, fast_exp, fetch_add, kernel
 
 #: Rows per chunk aimed at. Each chunk costs a unit's setup, its partials and a fold step; measured on the
 #: 2-core machine (1 thread, cold cache), 512-1024-row chunks ran 4-20% faster than 256-row ones and matched
@@ -111,7 +111,9 @@ def _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, u):
     group_rows(qs, (kf, ko + kb * kst[0] + kvh * kst[1], kst[2], kst[3]),
                (vf, vo + kb * vst[0] + kvh * vst[1], vst[2], vst[3]), mf, (mo + (b % Bm) * mst[0], mst[1], mst[3], Hm),
                slopes, h0, scale, softcap, j0, j1, (M, S, A), (sc, live), True)
-    Ap[b, kvh, c] = A
+    out_partial = Ap[b, kvh, c]
+    for d in range(A.shape[0]):  # not ``Ap[b, kvh, c] = A``: that compiles NumPy's shape-error formatting
+        out_partial[d] = A[d]
 
 
 @kernel
@@ -143,16 +145,21 @@ def _fold(Mp, Sp, Ap, sinks, out, bh):
     finalize(m, s, acc, 0, DV, sinks[h], of, oo + b * ost[0] + h * ost[2], ost[3])
 
 
+#: The drivers' unit (``_kernel.call_any_layout``): ``_chunk`` on these driver arguments and a unit number.
+UNIT = (_chunk, (0, 1, 2, 3, 4, 6, 7, 9, 10, 11, 12, 13), (types.int64,))
+
+
 @kernel
-def _serial(q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap, spans):
+def _serial(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap, spans):
     for u in range(Mp.shape[0] * Mp.shape[1] * Mp.shape[2]):
-        _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, u)
+        call_unit(unit, (q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, u))
     for bh in range(q.shape[0] * q.shape[1]):
         _fold(Mp, Sp, Ap, sinks, out, bh)
 
 
 @kernel(parallel=True)
-def _parallel(q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap, spans, next_unit, n_threads):
+def _parallel(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap, spans, next_unit,
+              n_threads):
     n_units = Mp.shape[0] * Mp.shape[1] * Mp.shape[2]
     # One iteration per thread. The units are cut into n_threads ranges of adjacent units (adjacent KV chunks of
     # a head: one stream of rows); thread t takes units from range t's counter, then helps the other ranges in
@@ -166,7 +173,7 @@ def _parallel(q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, A
             counter = next_unit[r * COUNTER_STRIDE:r * COUNTER_STRIDE + 1]
             u = lo + fetch_add(counter)
             while u < hi:
-                _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, u)
+                call_unit(unit, (q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, u))
                 u = lo + fetch_add(counter)
     # The folds are ~1% of the work: on the calling thread, saving a second fork-join of the pool.
     for bh in range(q.shape[0] * q.shape[1]):
@@ -198,6 +205,7 @@ def run_split_kv(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
             out, rows, Mp, Sp, Ap, spans_of(mask, 1))
     if n_threads > 1:
         with _threads.team("split_kv", nbytes, n_threads) as launch:
-            call_any_layout(_parallel, STRIDED, *args, np.zeros(launch.n * COUNTER_STRIDE, np.int64), launch.n)
+            call_any_layout(_parallel, STRIDED, *args, np.zeros(launch.n * COUNTER_STRIDE, np.int64), launch.n,
+                            unit=UNIT)
     else:
-        call_any_layout(_serial, STRIDED, *args)
+        call_any_layout(_serial, STRIDED, *args, unit=UNIT)

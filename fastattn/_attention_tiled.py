@@ -40,13 +40,13 @@ docs/attention_tiled.md has the measurements.
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
+from numba import prange, types
 
 from . import _threads
 from ._attention_tiled_products import (BLOCK_COLS, BLOCK_ROWS, _block_scores, _block_values, _fma,
                                        _values_skipping_zeros)
 from ._attention_quantized import widen_row
-from ._kernel import assume_contiguous, call_any_layout, fast_exp, fetch_add, kernel, to_f32
+from ._kernel import assume_contiguous, call_any_layout, call_unit, fast_exp, fetch_add, kernel, to_f32
 
 #: Query rows of one head per tile (a multiple of both register-block dimensions, 6 and 16).
 Q_TILE = 48
@@ -165,7 +165,10 @@ def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, soft
             h = h_first + hh
             info = kinds[hh]
             if has_mask:  # a -inf entry hides its key whatever the slope (0 when ALiBi's underflows)
-                info[:] = blocks[bm, h % mask.shape[1], q_tile, kv_tile]
+                # element by element: an array-to-array slice assignment compiles NumPy's shape-error message
+                # formatting (about a second of a first call)
+                for x in range(3):
+                    info[x] = blocks[bm, h % mask.shape[1], q_tile, kv_tile, x]
             else:
                 info[0] = MASK_ZERO
                 info[1] = 0
@@ -293,8 +296,8 @@ def _task_of(position, B, Hkv, n_head_blocks, n_q_tiles):
 
 
 @kernel
-def _run_slot(slot, next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
-              qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds):
+def _run_slot(next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+              qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds, slot):
     """Run tasks on thread slot ``slot``'s scratch until none is left: each takes the next task number from the
     shared counter ``next_task`` (dynamic scheduling: a slot slowed down by another process simply runs fewer)."""
     B, Hq, Nq, _ = q.shape
@@ -315,19 +318,23 @@ def _run_slot(slot, next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, h
               o[slot], m[slot], l[slot], alpha[slot], tile_max[slot], kinds[slot])
 
 
+#: The drivers' unit (``_kernel.call_any_layout``): ``_run_slot`` on every driver argument and a slot number.
+UNIT = (_run_slot, tuple(range(24)), (types.int64,))
+
+
 @kernel
-def _run_serial(next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+def _run_serial(unit, next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
                 qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds):
-    _run_slot(0, next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
-              qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds)
+    call_unit(unit, (next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+                     qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds, np.int64(0)))
 
 
 @kernel(parallel=True)
-def _run_parallel(next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+def _run_parallel(unit, next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
                   qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds):
     for slot in prange(qt.shape[0]):
-        _run_slot(slot, next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap,
-                  out, qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds)
+        call_unit(unit, (next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap,
+                         out, qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds, np.int64(slot)))
 
 
 _NO_MASK = np.zeros((1, 1, 1, 1), np.float32)
@@ -390,4 +397,4 @@ def _run_tiles(run, n_slots: int, q, k, v, mask, slopes, sinks, scale: float, so
     args = (next_task, q, k, v, mask, blocks, has_mask, slopes,
             _NO_SINKS if sinks is None else sinks, sinks is not None, np.float32(scale), np.float32(softcap), out,
             qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds)
-    call_any_layout(run, _USER_ARGS, *args)
+    call_any_layout(run, _USER_ARGS, *args, unit=UNIT)

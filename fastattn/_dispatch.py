@@ -32,16 +32,18 @@ on types; nothing about a particular array is remembered between calls.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Callable, Iterator
 
+import numba
 import numpy as np
 from numba import types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 from numba.np import numpy_support
 
-from ._kernel import _HALF_VIEW, kernel
+from ._kernel import _HALF_VIEW, check_unit, kernel, unit_address
 
 
 def array_type(dtype: np.dtype, ndim: int) -> types.Array:
@@ -67,12 +69,17 @@ class Route:
     ``kernel``: the entry kernel (a ``numba.njit`` dispatcher) returning True when it did the work, False when it
     declined having written nothing. ``arg_types(*key)``: the Numba types of its parameters for a key (a tuple of
     dtypes, None and small ints that determines them; the caller guarantees every array's number of axes).
+    ``unit(*key)``, for an entry kernel whose first parameter is a work unit's handle (``_kernel.call_unit``):
+    the unit kernel and its argument types; the entry point is stored with the handle bound, so callers pass the
+    parameters after it.
     """
 
-    def __init__(self, name: str, kernel, arg_types: Callable[..., tuple]):
+    def __init__(self, name: str, kernel, arg_types: Callable[..., tuple], unit: Callable | None = None):
         self.name = name
         self.kernel = kernel
         self.arg_types = arg_types
+        self.unit = unit
+        self.handles: dict = {}
         self.entries: dict = {}
         self.get = self.entries.get  # the guard's lookup: one bound method call
         #: Calls the general path handed to this route and the route took (what the route tests count).
@@ -93,14 +100,28 @@ class Route:
                 entry = self.entries.get(key)
                 if entry is None:
                     arg_types = self.arg_types(*key)
+                    handle = None
+                    if self.unit is not None:
+                        handle = self.handles[key] = unit_address(*self.unit(*key))
+                        arg_types = (numba.typeof(handle),) + arg_types
                     self.kernel.compile(arg_types)
-                    entry = self.entries[key] = self.kernel.overloads[arg_types].entry_point
+                    entry = self.kernel.overloads[arg_types].entry_point
+                    if handle is not None:
+                        entry = functools.partial(entry, handle)
+                    self.entries[key] = entry
         return entry
 
     def run(self, key: tuple, *args) -> bool:
-        """The general path's use: run the call on this route's entry point; False when it declines."""
+        """The general path's use: run the call on this route's entry point; False when it declines. (Every key's
+        first call in a process comes this way, so a unit handle of the wrong types is found here.)"""
         entry = self.entry(key)
-        if entry is None or not entry(*args):
+        if entry is None:
+            return False
+        taken = entry(*args)
+        handle = self.handles.get(key)
+        if handle is not None:
+            check_unit(handle)
+        if not taken:
             return False
         self.taken += 1
         return True
@@ -129,6 +150,7 @@ def forget_routes() -> None:
     for route in ROUTES.values():
         with route._lock:
             route.entries.clear()
+            route.handles.clear()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ reassociates reductions and contracts FMAs.
 """
 from __future__ import annotations
 
+import zlib
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -36,16 +38,22 @@ FASTMATH = frozenset({"contract", "arcp", "reassoc", "nsz", "afn"})
 KERNEL_OPTIONS = dict(cache=True, nogil=True, fastmath=set(FASTMATH), error_model="numpy")
 
 
-def kernel(fn=None, *, parallel: bool = False, inline: bool = False, exact: bool = False):
+def kernel(fn=None, *, parallel: bool = False, inline: bool = False, exact: bool = False,
+           llvm_inline: bool = False):
     """``numba.njit`` with ``KERNEL_OPTIONS``; ``parallel=True`` for the ``prange`` drivers; ``inline=True`` for
     small helpers called in hot loops (inlined by Numba: LLVM leaves calls with many array arguments alone, and
-    the call costs as much as a short loop); ``exact=True`` without fastmath, for arithmetic that must round as
-    a reference does (no FMA contraction, no reciprocal for a division: the quantizers)."""
+    the call costs as much as a short loop); ``llvm_inline=True`` for a helper called from many places of one
+    kernel (compiled once, then inlined by LLVM into each call, where Numba would type a copy of it per call:
+    ``_score``, 13 calls in ``group_rows``, took 4 s of a first decode call that way); ``exact=True`` without
+    fastmath, for arithmetic that must round as a reference does (no FMA contraction, no reciprocal for a
+    division: the quantizers)."""
     opts = dict(KERNEL_OPTIONS, parallel=parallel)
     if exact:
         opts["fastmath"] = False
     if inline:
         opts["inline"] = "always"
+    if llvm_inline:
+        opts["forceinline"] = True
     if fn is None:
         return lambda f: numba.njit(**opts)(f)
     return numba.njit(**opts)(fn)
@@ -271,13 +279,17 @@ def assume_contiguous(typingctx, row):
 _any_layout_entries: dict = {}
 
 
-def call_any_layout(dispatcher, strided, *args):
+def call_any_layout(dispatcher, strided, *args, unit=None):
     """Call ``dispatcher`` with the arrays at positions ``strided`` typed as any layout ('A').
 
     Numba would otherwise compile one specialisation (seconds each) per combination of contiguous and strided
     inputs; kernels that read their inputs through strides need only one per dtype combination. The other
     arrays (scratch the caller allocates) stay C-contiguous so that loops over them vectorise. The compiled entry
     point is called directly (it accepts C arrays for 'A' parameters), skipping the dispatcher's search.
+
+    ``unit`` = (kernel, shared, extra): ``dispatcher`` is a driver whose first parameter is the handle of its work
+    unit (``call_unit``), and the unit takes the driver's arguments at the positions ``shared`` (of ``args``)
+    followed by arguments of the types ``extra``; the handle is prepended to ``args``.
     """
     key = [dispatcher]
     for i, a in enumerate(args):  # a plain loop, one flags object per array: decode calls build this key each time
@@ -290,13 +302,23 @@ def call_any_layout(dispatcher, strided, *args):
         else:
             key.append(type(a))
     key = tuple(key)
-    entry = _any_layout_entries.get(key)
-    if entry is None:
+    cached = _any_layout_entries.get(key)
+    if cached is None:
         signature = tuple(t.copy(layout="A") if i in strided and isinstance(t, types.Array) else t
                           for i, t in enumerate(map(typeof, args)))
+        handle = None
+        if unit is not None:
+            unit_kernel, shared, extra = unit
+            handle = unit_address(unit_kernel, tuple(signature[i] for i in shared) + tuple(extra))
+            signature = (typeof(handle),) + signature
         dispatcher.compile(signature)
-        entry = _any_layout_entries[key] = dispatcher.overloads[signature].entry_point
-    return entry(*args)
+        cached = _any_layout_entries[key] = (dispatcher.overloads[signature].entry_point, handle)
+    entry, handle = cached
+    if handle is None:
+        return entry(*args)
+    result = entry(handle, *args)
+    check_unit(handle)
+    return result
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -314,3 +336,69 @@ def prefetch(typingctx, arr, offset):
         return context.get_dummy_value()
 
     return types.none(arr, offset), codegen
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Calls by address: a driver calls its work-unit kernel through the unit's machine-code address instead of linking
+# the unit's code into its own. Numba links every callee into each caller and optimises and emits the whole again
+# at every level (a parallel driver adds three levels of its own), so a unit of ~600 KB of IR cost ~1 s per level
+# and most of a first call's compile time. Called by address, the unit is compiled once per signature and its
+# drivers compile in a fraction of a second; the call itself costs what a direct call does.
+def _signature_tag(arg_types) -> int:
+    """A 62-bit tag of a unit's argument types, the same in every process (the kernel and the Python side agree
+    on it before a call is made)."""
+    return zlib.crc32(str(types.Tuple(tuple(arg_types))).encode()) | (len(arg_types) << 32)
+
+
+_unit_addresses: dict = {}
+
+
+def unit_address(dispatcher, arg_types: tuple) -> np.ndarray:
+    """``[address, tag, mismatch flag]`` (int64) of ``dispatcher`` compiled (or loaded from Numba's cache) for
+    ``arg_types``, for a driver to hand to ``call_unit``. Computed once per (kernel, signature)."""
+    key = (dispatcher, arg_types)
+    handle = _unit_addresses.get(key)
+    if handle is None:
+        dispatcher.compile(arg_types)
+        result = dispatcher.overloads[arg_types]
+        address = result.library.get_pointer_to_function(result.fndesc.llvm_func_name)
+        handle = _unit_addresses[key] = np.array([address, _signature_tag(arg_types), 0], np.int64)
+    return handle
+
+
+def check_unit(handle: np.ndarray) -> None:
+    """Raise if a driver found ``handle`` compiled for other argument types than it passes (a bug: the call was
+    not made)."""
+    if handle[2]:
+        raise RuntimeError("fastattn internal error: a kernel was handed a unit compiled for other argument types")
+
+
+@intrinsic
+def call_unit(typingctx, handle, args):
+    """Call the kernel ``handle`` (``unit_address``) holds with the tuple ``args``, through its address. The call
+    is made only when the handle's tag matches the types of ``args``; otherwise ``handle[2]`` is set and nothing
+    runs (``check_unit`` raises on it). The unit returns nothing; an exception it raises propagates."""
+    if not (isinstance(handle, types.Array) and handle.dtype == types.int64 and isinstance(args, types.BaseTuple)):
+        raise TypingError("call_unit: expected an int64 handle array and a tuple of arguments")
+    arg_types = tuple(args.types)
+    tag = _signature_tag(arg_types)
+
+    def codegen(context, builder, signature, llargs):
+        i64 = ir.IntType(64)
+        data = context.make_array(signature.args[0])(context, builder, llargs[0]).data
+        address = builder.load(data)
+        matches = builder.icmp_signed("==", builder.load(builder.gep(data, [ir.Constant(i64, 1)])),
+                                      ir.Constant(i64, tag))
+        with builder.if_else(matches, likely=True) as (then, otherwise):
+            with then:
+                fnty = context.call_conv.get_function_type(types.none, arg_types)
+                callee = builder.inttoptr(address, fnty.as_pointer())
+                values = [builder.extract_value(llargs[1], i) for i in range(len(arg_types))]
+                status, _ = context.call_conv.call_function(builder, callee, types.none, arg_types, values)
+                with cgutils.if_unlikely(builder, status.is_error):
+                    context.call_conv.return_status_propagate(builder, status)
+            with otherwise:
+                builder.store(ir.Constant(i64, 1), builder.gep(data, [ir.Constant(i64, 2)]))
+        return context.get_dummy_value()
+
+    return types.none(handle, args), codegen

@@ -10,7 +10,9 @@ once per dtype combination.
 
 - ``drive_serial``: the tokens in order, cos/sin from a prebuilt table ``cs`` (N, 2·n_pairs).
 - ``drive_parallel``: the same on ``n_threads`` threads, which take tasks of TOKENS_PER_TASK tokens from a shared
-  counter (``_kernel.fetch_add``), so a thread slowed down by another process runs fewer of them.
+  counter (``_kernel.fetch_add``), so a thread slowed down by another process runs fewer of them. Each thread
+  runs ``_cached_tasks``, called by address (``_kernel.call_unit``: compiled once, not again inside every
+  driver and route that launches it).
 - ``drive_fused``: cos/sin made in the same pass: a task is one CACHE_BLOCK of tokens, whose rows go to the
   thread's scratch (the very values ``rope_cache`` stores: same blocks, same code) and are used at once.
 
@@ -25,7 +27,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-from ._kernel import fetch_add, prefetch
+from ._kernel import call_unit, fetch_add, prefetch
 from ._rope_cache import CACHE_BLOCK, cache_block
 from ._rope_rotate import (ROWS_STRIDED, TOKEN_BLOCK, _EXACT, _INLINE, rope_block, rotate_rows_adjacent,
                            rotate_rows_split)
@@ -161,12 +163,17 @@ def _cached_tasks(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout,
         task = fetch_add(next_task)
 
 
+#: ``drive_parallel``'s unit (``_kernel.call_any_layout``): ``_cached_tasks`` on its arguments but the last.
+CACHED_UNIT = (_cached_tasks, tuple(range(10)), ())
+
+
 @numba.njit(parallel=True, **_EXACT)
-def drive_parallel(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout, next_task, n_threads):
+def drive_parallel(unit, x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout, next_task, n_threads):
     """``drive_serial`` on ``n_threads`` threads, which take tasks of TOKENS_PER_TASK tokens from
-    ``next_task`` (a zeroed int64 counter)."""
+    ``next_task`` (a zeroed int64 counter); ``unit``: the handle of ``_cached_tasks`` for these argument types
+    (``_kernel.call_unit``)."""
     for _ in prange(n_threads):
-        _cached_tasks(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout, next_task)
+        call_unit(unit, (x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout, next_task))
 
 
 @numba.njit(**_EXACT)
@@ -191,12 +198,16 @@ def _fused_tasks(x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_sca
         task = fetch_add(next_task)
 
 
+#: ``drive_fused``'s unit (``_kernel.call_any_layout``): ``_fused_tasks`` on its arguments but the last.
+FUSED_UNIT = (_fused_tasks, tuple(range(15)), ())
+
+
 @numba.njit(parallel=True, **_EXACT)
-def drive_fused(x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
+def drive_fused(unit, x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
                 in_place, layout, next_task, n_threads):
     """``drive_parallel`` with the cos/sin made inside the same pass. A task is one CACHE_BLOCK of tokens: its
     cos/sin go to the thread's scratch (exactly the values ``rope_cache`` would store: same blocks, same code),
-    then its tokens are stepped through while the scratch is in L1."""
+    then its tokens are stepped through while the scratch is in L1. ``unit``: the handle of ``_fused_tasks``."""
     for _ in prange(n_threads):
-        _fused_tasks(x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
-                     in_place, layout, next_task)
+        call_unit(unit, (x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale,
+                         interleaved, in_place, layout, next_task))

@@ -25,7 +25,7 @@ from numba.extending import overload
 from ._dispatch import Route, aligned, array_type, c_contiguous, meta, overlaps, same_view, unit_rows
 from ._kernel import assume_contiguous, use_threads
 from ._rope_cache import CACHE_BLOCK
-from ._rope_drivers import drive_fused, drive_parallel
+from ._rope_drivers import CACHED_UNIT, FUSED_UNIT, drive_fused, drive_parallel
 from ._rope_rotate import _EXACT, _INLINE, ROWS_UNIT, rope_block, token_layout_of
 from ._validate import FLOAT32
 
@@ -147,7 +147,7 @@ def _increasing_in(idx, n_rows):
 
 
 @numba.njit(**_INLINE)
-def _fused_tokens(x, out, pos, plan, min_bytes, n_threads):
+def _fused_tokens(unit, x, out, pos, plan, min_bytes, n_threads):
     """``rope_ext``: out (N, H, D) of x's dtype (x itself in place), unless it declines."""
     streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved, n_dims = plan
     n_tokens, _, head_dim = x.shape
@@ -158,14 +158,14 @@ def _fused_tokens(x, out, pos, plan, min_bytes, n_threads):
     if (overlaps(mo, mx) and not in_place) or overlaps(mo, mp) or not (aligned(mx) and aligned(mo)):
         return False
     use_threads(n_threads)
-    drive_fused(x[np.newaxis], out[np.newaxis], None, None, pos[np.newaxis], streams, w, step_cos, step_sin,
+    drive_fused(unit, x[np.newaxis], out[np.newaxis], None, None, pos[np.newaxis], streams, w, step_cos, step_sin,
                 cos_scale, sin_scale, interleaved, in_place, token_layout_of(mx, mo, head_dim),
                 np.zeros(1, np.int64), n_threads)
     return True
 
 
 @numba.njit(**_INLINE)
-def _fused_write(x, dst, idx, pos, plan, min_bytes, n_threads):
+def _fused_write(unit, x, dst, idx, pos, plan, min_bytes, n_threads):
     """``rope_set_rows``: token i into row idx[i] of the C-contiguous cache dst, idx strictly increasing (other
     indices: the general path, which sorts out duplicates), unless it declines."""
     streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved, n_dims = plan
@@ -182,28 +182,28 @@ def _fused_write(x, dst, idx, pos, plan, min_bytes, n_threads):
         return False
     use_threads(n_threads)
     rows = assume_contiguous(dst).reshape((n_rows, n_heads, head_dim))
-    drive_fused(x[np.newaxis], rows, idx, np.ones(n_tokens, np.bool_), pos[np.newaxis], streams, w, step_cos,
+    drive_fused(unit, x[np.newaxis], rows, idx, np.ones(n_tokens, np.bool_), pos[np.newaxis], streams, w, step_cos,
                 step_sin, cos_scale, sin_scale, interleaved, False, token_layout_of(mx, meta(rows), head_dim),
                 np.zeros(1, np.int64), n_threads)
     return True
 
 
-def _fused_variant(x, out, idx, pos, plan, min_bytes, n_threads):
+def _fused_variant(unit, x, out, idx, pos, plan, min_bytes, n_threads):
     """``_fused_tokens`` when idx is None, else ``_fused_write``. Kernel-only."""
     raise NotImplementedError
 
 
 @overload(_fused_variant, inline="always")
-def _fused_variant_impl(x, out, idx, pos, plan, min_bytes, n_threads):
+def _fused_variant_impl(unit, x, out, idx, pos, plan, min_bytes, n_threads):
     if isinstance(idx, types.NoneType):
-        return lambda x, out, idx, pos, plan, min_bytes, n_threads: _fused_tokens(
-            x, out, pos, plan, min_bytes, n_threads)
-    return lambda x, out, idx, pos, plan, min_bytes, n_threads: _fused_write(
-        x, out, idx, pos, plan, min_bytes, n_threads)
+        return lambda unit, x, out, idx, pos, plan, min_bytes, n_threads: _fused_tokens(
+            unit, x, out, pos, plan, min_bytes, n_threads)
+    return lambda unit, x, out, idx, pos, plan, min_bytes, n_threads: _fused_write(
+        unit, x, out, idx, pos, plan, min_bytes, n_threads)
 
 
 @numba.njit(**_EXACT)
-def fused_entry(x, out, idx, pos, plan, min_bytes, n_threads):
+def fused_entry(unit, x, out, idx, pos, plan, min_bytes, n_threads):
     """RoPE of x (N, H, D) at positions pos (N,) (one stream: NORMAL or NEOX) with cos/sin made in the pass
     (``plan``: the parameters' tables, ``_args.rope.RopeParams.plan``), into out (idx None) or rows idx of the
     cache out, on ``n_threads`` threads. Returns
@@ -213,22 +213,36 @@ def fused_entry(x, out, idx, pos, plan, min_bytes, n_threads):
     if (pos.shape[0] != x.shape[0] or x.shape[2] < plan[7] or x.shape[0] < 2 * CACHE_BLOCK
             or not aligned(meta(pos))):
         return False
-    return _fused_variant(x, out, idx, pos, plan, min_bytes, n_threads)
+    return _fused_variant(unit, x, out, idx, pos, plan, min_bytes, n_threads)
 
 
 #: the types of a parameter set's ``plan`` (streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
 #: n_dims)
 PLAN_TYPE = types.Tuple((array_type(_INT64, 1),) + (array_type(_FLOAT64, 1),) * 3
                         + (types.float64, types.float64, types.boolean, types.int64))
+
+
+def _fused_unit(x_dtype, out_dtype, out_ndim, idx_dtype) -> tuple:
+    """``_fused_tasks`` and the types ``_fused_tokens`` / ``_fused_write`` hand ``drive_fused``."""
+    x4 = array_type(x_dtype, 4)
+    if idx_dtype is None:
+        out, idx, keep, in_place = array_type(out_dtype, 4), types.none, types.none, types.boolean
+    else:  # the cache, retyped C-contiguous (R, H, D); a fresh keep mask
+        out = types.Array(array_type(out_dtype, 1).dtype, 3, "C")
+        idx, keep, in_place = array_type(idx_dtype, 1), types.Array(types.boolean, 1, "C"), types.boolean
+    return FUSED_UNIT[0], (x4, out, idx, keep, array_type(np.dtype(np.int32), 2)) + tuple(PLAN_TYPE.types[:6]) + (
+        types.boolean, in_place, types.int64, types.Array(types.int64, 1, "C"))
+
+
 FUSED = Route("rope.fused", fused_entry, lambda x_dtype, out_dtype, out_ndim, idx_dtype: _out_types(
     x_dtype, out_dtype, out_ndim, idx_dtype) + (array_type(np.dtype(np.int32), 1), PLAN_TYPE, types.int64,
-                                                types.int64))
+                                                types.int64), _fused_unit)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # rope.cached_prefill
 @numba.njit(**_EXACT)
-def cached_prefill_entry(x, out, cs, pairing, min_bytes, n_threads):
+def cached_prefill_entry(unit, x, out, cs, pairing, min_bytes, n_threads):
     """``apply_rope_cache`` of a prefill: x and out (N, H, D) of one dtype (out may be x), the table cs, on
     ``n_threads`` threads. Returns False, having written nothing, unless out has x's shape, x fits the table, at
     least ``min_bytes`` move over two tokens or more, x and out are aligned and out overlaps neither x (unless it
@@ -244,11 +258,14 @@ def cached_prefill_entry(x, out, cs, pairing, min_bytes, n_threads):
     if (overlaps(mo, mx) and not in_place) or overlaps(mo, meta(cs)) or not (aligned(mx) and aligned(mo)):
         return False
     use_threads(n_threads)
-    drive_parallel(x[np.newaxis], out[np.newaxis], None, None, cs, n_pairs, interleaved, in_place,
+    drive_parallel(unit, x[np.newaxis], out[np.newaxis], None, None, cs, n_pairs, interleaved, in_place,
                    token_layout_of(mx, mo, d), np.zeros(1, np.int64), n_threads)
     return True
 
 
 CACHED_PREFILL = Route("rope.cached_prefill", cached_prefill_entry, lambda x_dtype: (
-    array_type(x_dtype, 3), array_type(x_dtype, 3), _F32_TABLE, PAIRING_TYPE, types.int64, types.int64))
+    array_type(x_dtype, 3), array_type(x_dtype, 3), _F32_TABLE, PAIRING_TYPE, types.int64, types.int64),
+    lambda x_dtype: (CACHED_UNIT[0], (array_type(x_dtype, 4), array_type(x_dtype, 4), types.none, types.none,
+                                      _F32_TABLE, types.int64, types.boolean, types.boolean, types.int64,
+                                      types.Array(types.int64, 1, "C"))))
 

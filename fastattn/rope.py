@@ -35,7 +35,7 @@ from ._args import rope as _args
 from ._kernel import call_any_layout, kernel_view
 from ._quantized import QTYPE_CODES, Quantized
 from ._rope_cache import CACHE_BLOCK, build_cs
-from ._rope_drivers import drive_fused, drive_parallel, drive_serial
+from ._rope_drivers import CACHED_UNIT, FUSED_UNIT, drive_fused, drive_parallel, drive_serial
 from ._rope_quantized import rope_quantize_parallel, rope_quantize_serial
 from ._rope_rotate import token_layout
 from ._rope_routes import CACHED, CACHED_PREFILL, FUSED
@@ -133,7 +133,8 @@ def _rotate(x: np.ndarray, out: np.ndarray, cs: np.ndarray, pairing: tuple) -> N
     flags = (interleaved, out is x, token_layout(xk, ok))
     if n_threads > 1:
         with _threads.team("apply_rope_cache", nbytes, n_threads) as launch:
-            drive_parallel(xk, ok, None, None, cs, n_pairs, *flags, np.zeros(1, np.int64), launch.n)
+            call_any_layout(drive_parallel, (), xk, ok, None, None, cs, n_pairs, *flags, np.zeros(1, np.int64),
+                            launch.n, unit=CACHED_UNIT)
     else:
         drive_serial(xk, ok, None, None, cs, n_pairs, *flags)
 
@@ -170,11 +171,13 @@ def _write_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, params: _args.
     next_task = np.zeros(1, np.int64)
     with _threads.team("rope_set_rows", nbytes, n_threads) as launch:
         if cs is not None:
-            drive_parallel(x1, dk, idx, keep, cs, n_pairs, interleaved, False, layout, next_task, launch.n)
+            call_any_layout(drive_parallel, (), x1, dk, idx, keep, cs, n_pairs, interleaved, False, layout,
+                            next_task, launch.n, unit=CACHED_UNIT)
         else:
             table = params.table
-            drive_fused(x1, dk, idx, keep, pos, table.streams, table.w, table.step_cos, table.step_sin,
-                        table.cos_scale, table.sin_scale, interleaved, False, layout, next_task, launch.n)
+            call_any_layout(drive_fused, (), x1, dk, idx, keep, pos, table.streams, table.w, table.step_cos,
+                            table.step_sin, table.cos_scale, table.sin_scale, interleaved, False, layout, next_task,
+                            launch.n, unit=FUSED_UNIT)
 
 
 def _write_quantized(dst: Quantized, data3: np.ndarray, x: np.ndarray, idx: np.ndarray, cs: np.ndarray,
@@ -288,9 +291,10 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
             yk = xk if y is x else kernel_view(y4)
             table = params.table
             with _threads.team("rope_ext", nbytes, n_threads) as launch:
-                drive_fused(xk, yk, None, None, streams, table.streams, table.w, table.step_cos, table.step_sin,
-                            table.cos_scale, table.sin_scale, params.interleaved, y is x, token_layout(xk, yk),
-                            np.zeros(1, np.int64), launch.n)
+                call_any_layout(drive_fused, (), xk, yk, None, None, streams, table.streams, table.w,
+                                table.step_cos, table.step_sin, table.cos_scale, table.sin_scale,
+                                params.interleaved, y is x, token_layout(xk, yk), np.zeros(1, np.int64), launch.n,
+                                unit=FUSED_UNIT)
             return y
     _rotate(x, y, build_cs(streams, params), params.pairing)
     return y
