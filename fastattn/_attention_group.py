@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._attention_nonfinite import _any_mixed_nonfinite, _sanitised_block
+from ._attention_nonfinite import sanitised_rows
 from ._attention_quantized import block_rows, row_elements, row_scratch
 from ._attention_rows import ROWS, _axpy1, _axpy4, _axpy4x2, _axpy4x4, _dot1, _dot4, _dot4x2, _prefetch_row
 from ._attention_softmax import NEG_INF, _block_mask, _block_weights, _live_rows, _mask_terms, _score
@@ -71,14 +71,14 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
 
     ``qs`` (G, DK): the group's query rows (query heads h0 .. h0+G). ``k_rows`` = (kf, kbase, krs, kcs): K row j
     starts at flat offset ``kbase + j * krs`` of ``kf``, column stride ``kcs``; ``v_rows`` likewise. Mask (``mf``
-    None for no mask) with ``mask_at`` = (mbase, mhs, mcs, Hm): head h, column j at
+    None for no mask) with ``mask_at`` = (mbase, mhs, mcs, Hm, per_head_mask): head h, column j at
     ``mbase + (h % Hm) * mhs + j * mcs``. ``state`` = (M, S, A): running max and sum (G,) and unnormalised output
     (G * DV,) float32. ``scratch`` = (sc (G, ROWS) float32, rows (ROWS,) int64). ``streaming``: the rows are read
     this once (decode), not again for other query rows: float32 K/V then take ``stream_rows``.
     """
     kq, kbase_q, krs_q, kcs_q = k_rows  # as stored (quantized K/V: bytes, see _attention_quantized)
     vq, vbase_q, vrs_q, vcs_q = v_rows
-    mbase, mhs, mcs, Hm = mask_at
+    mbase, mhs, mcs, Hm, per_head_mask = mask_at
     M, S, A = state
     sc, rows = scratch
     if streaming and stream_if_float32(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state,
@@ -167,11 +167,8 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
             sb = vbase + jb * vrs
             srs = vrs
             scs = vcs
-            if width == 4 and per_head and _any_mixed_nonfinite(sc, g, rows, n_live, vf, sb, vrs, vcs, DV):
-                src = _sanitised_block(A, DV, sc, g, rows, n_live, n, vf, sb, vrs, vcs)
-                sb = 0
-                srs = DV
-                scs = 1
+            if width == 4 and per_head:
+                src, sb, srs, scs = sanitised_rows(per_head_mask, A, DV, sc, g, rows, n_live, n, vf, sb, vrs, vcs)
             if width == 4:
                 x = 0
                 while x + 3 < n_live:
@@ -195,3 +192,4 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
                     r1 = rows[x]
                     _axpy1(A, g * DV, DV, sc[g, r1], src, sb + r1 * srs, scs)
             g += width
+

@@ -4,11 +4,15 @@ With a per-head mask a KV row can be hidden from some heads of a register block 
 The block V updates add ``p·v`` for all 4 heads at once, so such a row holding inf or NaN would give the hidden
 heads ``0·NaN``. These helpers find such rows, add them per head to the heads that weigh them, and keep them out of
 the grouped pass (a zeroed copy of the block, or the row dropped from the list), which leaves every other sum bit
-for bit as with a finite row. They run only with a per-head mask, and copy only when such a row exists.
+for bit as with a finite row. They run only with a per-head mask, and copy only when such a row exists; ``sanitised_rows`` and ``drop_mixed``
+are how the loops call them, compiled to nothing for calls whose mask has one row for every head (the per-head
+marker None: ``_attention_group.group_rows``).
 """
 from __future__ import annotations
 
 import numpy as np
+from numba import types
+from numba.extending import overload
 
 from ._attention_rows import _axpy1
 from ._kernel import kernel, to_f32
@@ -87,3 +91,36 @@ def _drop_mixed_nonfinite(A, DV, p, rows, n_live, vf, vb, vrs, vcs):
             rows[kept] = r
             kept += 1
     return kept
+
+
+def sanitised_rows(per_head, A, DV, p, g, rows, n_live, n, vf, vb, vrs, vcs):
+    """The V rows of the head block g .. g+3 for its grouped pass, as (array, base, row stride, column stride):
+    vf's rows as they are, or, under a per-head mask with a ``_mixed_nonfinite`` row, the ``_sanitised_block``
+    copy. ``per_head`` None (no per-head mask) compiles to the first answer alone. Kernel-only."""
+    raise NotImplementedError("compiled code only")
+
+
+@overload(sanitised_rows, inline="always")
+def _sanitised_rows(per_head, A, DV, p, g, rows, n_live, n, vf, vb, vrs, vcs):
+    if isinstance(per_head, types.NoneType):
+        return lambda per_head, A, DV, p, g, rows, n_live, n, vf, vb, vrs, vcs: (vf, vb, vrs, vcs)
+
+    def run(per_head, A, DV, p, g, rows, n_live, n, vf, vb, vrs, vcs):
+        if _any_mixed_nonfinite(p, g, rows, n_live, vf, vb, vrs, vcs, DV):
+            return _sanitised_block(A, DV, p, g, rows, n_live, n, vf, vb, vrs, vcs), 0, DV, 1
+        return vf, vb, vrs, vcs
+    return run
+
+
+def drop_mixed(per_head, A, DV, p, rows, n_live, vf, vb, vrs, vcs):
+    """``_drop_mixed_nonfinite`` under a per-head mask; n_live unchanged when ``per_head`` is None (compiled to
+    nothing). Kernel-only."""
+    raise NotImplementedError("compiled code only")
+
+
+@overload(drop_mixed, inline="always")
+def _drop_mixed(per_head, A, DV, p, rows, n_live, vf, vb, vrs, vcs):
+    if isinstance(per_head, types.NoneType):
+        return lambda per_head, A, DV, p, rows, n_live, vf, vb, vrs, vcs: n_live
+    return lambda per_head, A, DV, p, rows, n_live, vf, vb, vrs, vcs: _drop_mixed_nonfinite(
+        A, DV, p, rows, n_live, vf, vb, vrs, vcs)

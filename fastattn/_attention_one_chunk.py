@@ -8,7 +8,8 @@ mask that is all Nkv rows; with one, a row's hidden prefix and suffix (a window,
 once per call (``_attention_layout.mask_spans``) and left out. Then each head is normalised with its sink into ``out[b, i, h]``. Units are independent, so the parallel driver's
 threads take them in any order from a shared counter (``_kernel.fetch_add``), with private scratch; the serial
 driver runs the same units in a loop (small work: a parallel launch costs more than it saves, see ``_threads``).
-A unit's result does not depend on the thread that runs it: the output is the same for any thread count.
+Both call the unit by address (``_kernel.call_unit``), so it is compiled once, not inside every driver. A unit's
+result does not depend on the thread that runs it: the output is the same for any thread count.
 
 Arrays are read flat (``_attention_group.flat4``): nothing is copied but the group's query rows (G x DK floats).
 """
@@ -19,6 +20,7 @@ from numba import prange, types
 
 from . import _threads
 from ._attention_group import group_rows, load_group_queries
+from ._attention_stream import stream_rows
 from ._attention_layout import element_strides, flat4, flat_mask, live_range, no_sinks, spans_of
 from ._attention_rows import ROWS
 from ._attention_softmax import finalize
@@ -34,8 +36,9 @@ ROW_CHUNK = 4
 STRIDED = (0, 1, 2, 3, 8)
 
 
-@kernel
-def _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, u):
+@kernel(inline=True)
+def _unit_rows(rows_fn, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, u):
+    """Unit ``u`` (module docstring), each query row's group run by ``rows_fn`` (``group_rows``' arguments)."""
     B, Hq, Nq, DK = q.shape
     Bk, Hkv, Nkv = k.shape[0], k.shape[1], k.shape[2]
     DV = out.shape[3]  # v's last axis counts bytes when V is quantized
@@ -65,34 +68,56 @@ def _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, u):
         S[:] = 0.0
         A[:] = 0.0
         j0, j1 = live_range(spans, mask, b % Bm, h0, G, Hm, i, 0, Nkv)  # the mask's hidden ends left out
-        group_rows(qs, (kf, kbase, kst[2], kst[3]), (vf, vbase, vst[2], vst[3]), mf,
-                   (mo + (b % Bm) * mst[0] + i * mst[2], mst[1], mst[3], Hm), slopes, h0, scale, softcap, j0, j1,
-                   (M, S, A), (sc, rows), Nq == 1)
+        rows_fn(qs, (kf, kbase, kst[2], kst[3]), (vf, vbase, vst[2], vst[3]), mf,
+                (mo + (b % Bm) * mst[0] + i * mst[2], mst[1], mst[3], Hm, per_head), slopes, h0, scale, softcap, j0,
+                j1, (M, S, A), (sc, rows), Nq == 1)
         for g in range(G):
             finalize(M[g], S[g], A, g * DV, DV, sinks[h0 + g], of, oo + b * ost[0] + i * ost[1] + (h0 + g) * ost[2],
                      ost[3])
 
 
-#: The drivers' unit (``_kernel.call_any_layout``): ``_unit`` on the drivers' first ten arguments and a unit number.
-UNIT = (_unit, tuple(range(10)), (types.int64,))
+@kernel
+def _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, u):
+    """The work unit ``u``. ``per_head``: True for a mask with a row per head, else None (then the per-head
+    handling of non-finite V rows is not compiled: ``_attention_nonfinite.sanitised_rows``)."""
+    _unit_rows(group_rows, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, u)
+
+
+@kernel(inline=True)
+def _streamed(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch, streaming):
+    stream_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch)
 
 
 @kernel
-def _serial(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, spans):
+def _stream_unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, u):
+    """``_unit`` for the decode route on float32 K/V (one query row): ``stream_rows`` alone, as ``group_rows``
+    runs it for such a row, without compiling ``group_rows``' own float32 loops."""
+    _unit_rows(_streamed, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, u)
+
+
+#: The drivers' unit (``_kernel.call_any_layout``): ``_unit`` on the drivers' first eleven arguments and a unit
+#: number.
+UNIT = (_unit, tuple(range(11)), (types.int64,))
+#: The decode route's unit on float32 K/V (``attention._route_unit``).
+STREAM_UNIT = _stream_unit
+
+
+@kernel
+def _serial(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head):
     n_units = q.shape[0] * k.shape[1] * ((q.shape[2] + ROW_CHUNK - 1) // ROW_CHUNK)
     for u in range(n_units):
-        call_unit(unit, (q, k, v, mask, slopes, sinks, scale, softcap, out, spans, u))
+        call_unit(unit, (q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, u))
 
 
 @kernel(parallel=True)
-def _parallel(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, next_unit, n_threads):
+def _parallel(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, next_unit, n_threads):
     n_units = q.shape[0] * k.shape[1] * ((q.shape[2] + ROW_CHUNK - 1) // ROW_CHUNK)
     # one iteration per thread, each taking units from the shared counter: decode has few units (one per KV
     # head), and a static split leaves a thread whose core is busy elsewhere deciding the time
     for _ in prange(n_threads):
         u = fetch_add(next_unit)
         while u < n_units:
-            call_unit(unit, (q, k, v, mask, slopes, sinks, scale, softcap, out, spans, u))
+            call_unit(unit, (q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, u))
             u = fetch_add(next_unit)
 
 
@@ -111,7 +136,7 @@ def run_one_chunk(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     n_threads = _threads.threads_for(nbytes)
     args = (element_strides(q), element_strides(k), element_strides(v),
             None if mask is None else element_strides(mask), slopes, sinks, np.float32(scale), np.float32(softcap),
-            out, spans_of(mask, Nq))
+            out, spans_of(mask, Nq), None if mask is None or mask.shape[1] == 1 else True)
     if n_threads > 1:
         with _threads.team("one_chunk", nbytes, n_threads) as launch:
             call_any_layout(_parallel, STRIDED, *args, np.zeros(1, np.int64), launch.n, unit=UNIT)
@@ -160,8 +185,8 @@ def decode_fast(unit, q, k, v, out, slopes, sinks, scale, auto_splittable, min_n
     if launch_threads > 1 and nbytes >= min_bytes:
         use_threads(launch_threads)
         _parallel(unit, q, k, v, None, slopes_c, sinks_c, np.float32(scale), np.float32(0.0), out,
-                  np.zeros((1, 1, 1, 2), np.int64), np.zeros(1, np.int64), launch_threads)
+                  np.zeros((1, 1, 1, 2), np.int64), None, np.zeros(1, np.int64), launch_threads)
     else:
         _serial(unit, q, k, v, None, slopes_c, sinks_c, np.float32(scale), np.float32(0.0), out,
-                np.zeros((1, 1, 1, 2), np.int64))
+                np.zeros((1, 1, 1, 2), np.int64), None)
     return True

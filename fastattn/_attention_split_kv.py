@@ -80,7 +80,7 @@ STRIDED = (0, 1, 2, 3, 8)
 
 
 @kernel
-def _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, u):
+def _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, per_head, u):
     B, Hq, _, DK = q.shape
     Bk, Hkv, Nkv = k.shape[0], k.shape[1], k.shape[2]
     qf, qo, qst = flat4(q)
@@ -109,7 +109,7 @@ def _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, u):
     # the chunk's rows less the mask's hidden ends: a chunk outside the live keys leaves the empty partial
     j0, j1 = live_range(spans, mask, b % Bm, h0, G, Hm, 0, c * rows, min(Nkv, (c + 1) * rows))
     group_rows(qs, (kf, ko + kb * kst[0] + kvh * kst[1], kst[2], kst[3]),
-               (vf, vo + kb * vst[0] + kvh * vst[1], vst[2], vst[3]), mf, (mo + (b % Bm) * mst[0], mst[1], mst[3], Hm),
+               (vf, vo + kb * vst[0] + kvh * vst[1], vst[2], vst[3]), mf, (mo + (b % Bm) * mst[0], mst[1], mst[3], Hm, per_head),
                slopes, h0, scale, softcap, j0, j1, (M, S, A), (sc, live), True)
     out_partial = Ap[b, kvh, c]
     for d in range(A.shape[0]):  # not ``Ap[b, kvh, c] = A``: that compiles NumPy's shape-error formatting
@@ -145,21 +145,22 @@ def _fold(Mp, Sp, Ap, sinks, out, bh):
     finalize(m, s, acc, 0, DV, sinks[h], of, oo + b * ost[0] + h * ost[2], ost[3])
 
 
-#: The drivers' unit (``_kernel.call_any_layout``): ``_chunk`` on these driver arguments and a unit number.
-UNIT = (_chunk, (0, 1, 2, 3, 4, 6, 7, 9, 10, 11, 12, 13), (types.int64,))
+#: The drivers' unit (``_kernel.call_any_layout``): ``_chunk`` on these driver arguments and a unit number;
+#: ``per_head`` as one_chunk's (``_attention_one_chunk.UNIT``).
+UNIT = (_chunk, (0, 1, 2, 3, 4, 6, 7, 9, 10, 11, 12, 13, 14), (types.int64,))
 
 
 @kernel
-def _serial(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap, spans):
+def _serial(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap, spans, per_head):
     for u in range(Mp.shape[0] * Mp.shape[1] * Mp.shape[2]):
-        call_unit(unit, (q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, u))
+        call_unit(unit, (q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, per_head, u))
     for bh in range(q.shape[0] * q.shape[1]):
         _fold(Mp, Sp, Ap, sinks, out, bh)
 
 
 @kernel(parallel=True)
-def _parallel(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap, spans, next_unit,
-              n_threads):
+def _parallel(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap, spans, per_head,
+              next_unit, n_threads):
     n_units = Mp.shape[0] * Mp.shape[1] * Mp.shape[2]
     # One iteration per thread. The units are cut into n_threads ranges of adjacent units (adjacent KV chunks of
     # a head: one stream of rows); thread t takes units from range t's counter, then helps the other ranges in
@@ -173,7 +174,7 @@ def _parallel(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp,
             counter = next_unit[r * COUNTER_STRIDE:r * COUNTER_STRIDE + 1]
             u = lo + fetch_add(counter)
             while u < hi:
-                call_unit(unit, (q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, u))
+                call_unit(unit, (q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, per_head, u))
                 u = lo + fetch_add(counter)
     # The folds are ~1% of the work: on the calling thread, saving a second fork-join of the pool.
     for bh in range(q.shape[0] * q.shape[1]):
@@ -202,7 +203,7 @@ def run_split_kv(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     n_threads = _threads.threads_for(nbytes)
     args = (element_strides(q), element_strides(k), element_strides(v),
             None if mask is None else element_strides(mask), slopes, sinks, np.float32(scale), np.float32(softcap),
-            out, rows, Mp, Sp, Ap, spans_of(mask, 1))
+            out, rows, Mp, Sp, Ap, spans_of(mask, 1), None if mask is None or mask.shape[1] == 1 else True)
     if n_threads > 1:
         with _threads.team("split_kv", nbytes, n_threads) as launch:
             call_any_layout(_parallel, STRIDED, *args, np.zeros(launch.n * COUNTER_STRIDE, np.int64), launch.n,

@@ -12,7 +12,7 @@ from numba import types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 
-from ._attention_nonfinite import _drop_mixed_nonfinite
+from ._attention_nonfinite import drop_mixed
 from ._attention_rows import ROWS, _axpy1, _axpy4, _dot1, _dot4, _prefetch_row
 from ._attention_softmax import NEG_INF, _block_mask, _block_weights, _live_rows, _mask_terms, _score
 from ._kernel import kernel
@@ -154,7 +154,7 @@ def stream_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0,
     """
     kf, kbase, krs, kcs = k_rows
     vf, vbase, vrs, vcs = v_rows
-    mbase, mhs, mcs, Hm = mask_at
+    mbase, mhs, mcs, Hm, per_head_mask = mask_at
     M, S, A = state
     sc, rows = scratch
     G = qs.shape[0]
@@ -213,7 +213,7 @@ def stream_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0,
         _block_weights(cur, n, M, S, A)
         n_prev = _live_rows(cur, 0, G, n, unmasked, np.float32(0.0), cur_rows)
         if per_head:
-            n_prev = _drop_mixed_nonfinite(A, DV, cur, cur_rows, n_prev, vf, vbase + jb * vrs, vrs, vcs)
+            n_prev = drop_mixed(per_head_mask, A, DV, cur, cur_rows, n_prev, vf, vbase + jb * vrs, vrs, vcs)
         cur, prev = prev, cur
         cur_rows, prev_rows = prev_rows, cur_rows
         prev_jb = jb

@@ -29,7 +29,7 @@ from numba import types
 from . import _threads
 from ._args import attention as _args
 from ._attention_layout import no_sinks
-from ._attention_one_chunk import UNIT, decode_fast, run_one_chunk, splits_decode
+from ._attention_one_chunk import STREAM_UNIT, UNIT, decode_fast, run_one_chunk, splits_decode
 from ._attention_split_kv import run_split_kv
 from ._attention_tiled import Q_TILE, run_tiled
 from ._dispatch import Route, array_type
@@ -166,11 +166,13 @@ def _route_types(k_dtype, v_dtype) -> tuple:
 
 
 def _route_unit(k_dtype, v_dtype) -> tuple:
-    """one_chunk's unit and the argument types ``decode_fast`` passes it (no mask, contiguous slopes and sinks)."""
+    """one_chunk's unit (float32 K/V: its streaming variant) and the argument types ``decode_fast`` passes it (no
+    mask, contiguous slopes and sinks, no per-head mask)."""
     a4 = array_type(FLOAT32, 4)
     c1 = types.Array(types.float32, 1, "C")
-    return UNIT[0], (a4, array_type(k_dtype, 4), array_type(v_dtype, 4), types.none, c1, c1, types.float32,
-                     types.float32, a4, types.Array(types.int64, 4, "C"), types.int64)
+    unit = STREAM_UNIT if k_dtype == FLOAT32 and v_dtype == FLOAT32 else UNIT[0]
+    return unit, (a4, array_type(k_dtype, 4), array_type(v_dtype, 4), types.none, c1, c1, types.float32,
+                  types.float32, a4, types.Array(types.int64, 4, "C"), types.none, types.int64)
 
 
 #: Decode calls on one_chunk without mask, sinks, ALiBi or softcap, keyed on (k, v) dtypes (read-only K/V fit it
