@@ -361,6 +361,9 @@ def unit_address(dispatcher, arg_types: tuple) -> np.ndarray:
     if handle is None:
         dispatcher.compile(arg_types)
         result = dispatcher.overloads[arg_types]
+        if result.signature.return_type != types.none:  # call_unit's calling convention returns nothing
+            raise TypeError(f"a unit kernel must return nothing; {dispatcher.__name__} returns "
+                            f"{result.signature.return_type}")
         address = result.library.get_pointer_to_function(result.fndesc.llvm_func_name)
         handle = _unit_addresses[key] = np.array([address, _signature_tag(arg_types), 0], np.int64)
     return handle

@@ -7,8 +7,10 @@ import numba
 import numpy as np
 import pytest
 
-from fastattn._kernel import (FASTMATH, KERNEL_OPTIONS, call_any_layout, fast_exp, from_f32, kernel, kernel_view,
-                              to_f32)
+from numba import prange
+
+from fastattn._kernel import (FASTMATH, KERNEL_OPTIONS, call_any_layout, call_unit, check_unit, fast_exp, from_f32,
+                              kernel, kernel_view, to_f32, unit_address)
 from fastattn._validate import BFLOAT16
 
 ALL_BITS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
@@ -175,3 +177,48 @@ def test_call_any_layout_keys_every_layout_it_types():
             call_any_layout(_weighted_sum, (0,), strided, plain, out)
             i, j = np.indices(plain.shape)
             assert out[0] == pytest.approx(np.sum(strided * (i + 1) + plain * (j + 1)))
+
+
+@kernel
+def _add_row_unit(a, out, i):
+    """The work unit of the driver below: out[i] = the sum of row i of a."""
+    total = 0.0
+    for j in range(a.shape[1]):
+        total += a[i, j]
+    out[i] = total
+
+
+@kernel
+def _rows_driver(unit, a, out):
+    for i in range(a.shape[0]):
+        call_unit(unit, (a, out, i))
+
+
+@kernel(parallel=True)
+def _rows_driver_parallel(unit, a, out):
+    for i in prange(a.shape[0]):
+        call_unit(unit, (a, out, np.int64(i)))
+
+
+@pytest.mark.parametrize("driver", [_rows_driver, _rows_driver_parallel])
+def test_a_driver_runs_its_unit_by_address(driver):
+    """``call_any_layout(..., unit=...)``: the unit compiled once for the driver's argument types and called by
+    address, serially and from prange threads, on strided and contiguous views."""
+    for a in (np.arange(35.0).reshape(5, 7), np.arange(70.0).reshape(5, 14)[:, ::2]):
+        out = np.zeros(5)
+        call_any_layout(driver, (0, 1), a, out, unit=(_add_row_unit, (0, 1), (numba.types.int64,)))
+        assert np.array_equal(out, a.sum(axis=1))
+
+
+def test_a_unit_of_other_argument_types_is_not_called():
+    """A handle whose tag is another signature's (here the unit compiled for float32 rows, handed to a driver of
+    float64 rows) is never called: nothing is written and the Python side raises."""
+    wrong = unit_address(_add_row_unit, (numba.types.Array(numba.types.float32, 2, "A"),
+                                         numba.types.Array(numba.types.float64, 1, "A"), numba.types.int64))
+    a = np.arange(6.0).reshape(2, 3)
+    out = np.zeros(2)
+    _rows_driver(wrong, a, out)
+    assert np.array_equal(out, np.zeros(2))
+    with pytest.raises(RuntimeError, match="other argument types"):
+        check_unit(wrong)
+    wrong[2] = 0
