@@ -4,9 +4,9 @@ With a per-head mask a KV row can be hidden from some heads of a register block 
 The block V updates add ``p·v`` for all 4 heads at once, so such a row holding inf or NaN would give the hidden
 heads ``0·NaN``. These helpers find such rows, add them per head to the heads that weigh them, and keep them out of
 the grouped pass (a zeroed copy of the block, or the row dropped from the list), which leaves every other sum bit
-for bit as with a finite row. They run only with a per-head mask, and copy only when such a row exists; ``sanitised_rows`` and ``drop_mixed``
-are how the loops call them, compiled to nothing for calls whose mask has one row for every head (the per-head
-marker None: ``_attention_group.group_rows``).
+for bit as with a finite row. They run only with a per-head mask, and copy only when such a row exists. The loops
+call them through ``sanitised_rows`` and ``drop_mixed``, which compile to nothing for calls whose mask has one row
+for every head (the per-head marker None: ``_attention_group.group_rows``).
 """
 from __future__ import annotations
 

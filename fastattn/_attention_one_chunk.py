@@ -67,7 +67,9 @@ def _unit_rows(rows_fn, q, k, v, mask, slopes, sinks, scale, softcap, out, spans
         M[:] = -np.inf
         S[:] = 0.0
         A[:] = 0.0
-        j0, j1 = live_range(spans, mask, b % Bm, h0, G, Hm, i, 0, Nkv)  # the mask's hidden ends left out
+        # the mask's hidden ends left out; np.int64(0), not a literal 0: group_rows' argument types must be
+        # split_kv's, which shares its compilation
+        j0, j1 = live_range(spans, mask, b % Bm, h0, G, Hm, i, np.int64(0), Nkv)
         rows_fn(qs, (kf, kbase, kst[2], kst[3]), (vf, vbase, vst[2], vst[3]), mf,
                 (mo + (b % Bm) * mst[0] + i * mst[2], mst[1], mst[3], Hm, per_head), slopes, h0, scale, softcap, j0,
                 j1, (M, S, A), (sc, rows), Nq == 1)

@@ -108,9 +108,11 @@ def _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, per_h
     A = np.zeros(Ap.shape[3], np.float32)
     # the chunk's rows less the mask's hidden ends: a chunk outside the live keys leaves the empty partial
     j0, j1 = live_range(spans, mask, b % Bm, h0, G, Hm, 0, c * rows, min(Nkv, (c + 1) * rows))
+    # streaming as a bool, not a literal True: the argument types are one_chunk's, which shares the compilation
     group_rows(qs, (kf, ko + kb * kst[0] + kvh * kst[1], kst[2], kst[3]),
-               (vf, vo + kb * vst[0] + kvh * vst[1], vst[2], vst[3]), mf, (mo + (b % Bm) * mst[0], mst[1], mst[3], Hm, per_head),
-               slopes, h0, scale, softcap, j0, j1, (M, S, A), (sc, live), True)
+               (vf, vo + kb * vst[0] + kvh * vst[1], vst[2], vst[3]), mf,
+               (mo + (b % Bm) * mst[0], mst[1], mst[3], Hm, per_head), slopes, h0, scale, softcap, j0, j1,
+               (M, S, A), (sc, live), q.shape[2] == 1)
     out_partial = Ap[b, kvh, c]
     for d in range(A.shape[0]):  # not ``Ap[b, kvh, c] = A``: that compiles NumPy's shape-error formatting
         out_partial[d] = A[d]
