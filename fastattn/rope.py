@@ -45,6 +45,7 @@ __all__ = ["RopeCache", "rope_cache", "apply_rope_cache", "rope_ext", "rope_set_
 
 _ND = np.ndarray
 _INT32 = np.dtype(np.int32)
+_INT64 = np.dtype(np.int64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -300,6 +301,18 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
     return y
 
 
+def _fused_rows(dst: np.ndarray, x: np.ndarray) -> np.ndarray | None:
+    """The (R, H, D) rows of a cache ``dst`` for K rows ``x`` (N, H, D), as the fused route takes them: ``dst``
+    itself, or a view of an (R, H·D) one. The route is compiled for 3-D caches and int64 indices only (its
+    callers convert, a copy of N indices), not once per cache shape and index type. None when ``dst`` has no
+    such view (the general path then says what is wrong)."""
+    if dst.ndim == 3:
+        return dst
+    if dst.ndim == 2 and dst.shape[1] == x.shape[1] * x.shape[2] and dst.flags.c_contiguous:
+        return dst.reshape(dst.shape[0], x.shape[1], x.shape[2])
+    return None
+
+
 def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarray, *, n_dims: int, mode: int,
                   freq_base: float = 10000.0, freq_scale: float = 1.0, n_ctx_orig: int = 0,
                   ext_factor: float = 0.0, attn_factor: float = 1.0, beta_fast: float = 32.0,
@@ -314,13 +327,17 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
     if (sections is None and dst.__class__ is _ND and x.__class__ is _ND and pos.__class__ is _ND
             and idx.__class__ is _ND and x.ndim == 3 and pos.ndim == 1 and pos.dtype is _INT32 and idx.ndim == 1
             and x.shape[0] >= 2 * CACHE_BLOCK and dst.flags.writeable):
-        entry = FUSED.get((x.dtype, dst.dtype, dst.ndim, idx.dtype))  # the route (see _dispatch)
-        params = None if entry is None else _args.known_params(
+        entry = FUSED.get((x.dtype, dst.dtype, 3, _INT64))  # the route (see _dispatch)
+        rows = None if entry is None else _fused_rows(dst, x)
+        # int32 indices are copied: the entry could no longer see them overlap dst, so that case is left to the
+        # general path, which refuses it
+        idx64 = idx if idx.dtype is _INT64 else None if np.may_share_memory(idx, dst) else idx.astype(_INT64)
+        params = None if rows is None or idx64 is None else _args.known_params(
             n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
             freq_factors, sections, backward)
         if params is not None:
             with _team("rope_set_rows", x.size * (x.itemsize + dst.itemsize)) as launch:
-                if entry(x, dst, idx, pos, params.plan, _threads.PARALLEL_MIN_BYTES, launch.n):
+                if entry(x, rows, idx64, pos, params.plan, _threads.PARALLEL_MIN_BYTES, launch.n):
                     return dst
                 launch.cancel()
     params = _params(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast,
@@ -341,7 +358,8 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
         return dst
     if _fused_fits(x, pos, params):
         with _team("rope_set_rows", x.size * (x.itemsize + dst.itemsize)) as launch:
-            if FUSED.run(key, x, dst, idx, pos, params.plan, _threads.PARALLEL_MIN_BYTES, launch.n):
+            if FUSED.run((x.dtype, dst.dtype, 3, _INT64), x, dst3, idx.astype(_INT64, copy=False), pos, params.plan,
+                         _threads.PARALLEL_MIN_BYTES, launch.n):
                 return dst
             launch.cancel()
     _write_rows(dst3, x, idx, params, pos=streams)

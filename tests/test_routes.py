@@ -263,6 +263,10 @@ def _rope_fused_bad():
         fastattn.rope_set_rows(kv, buf, pos, idx, **kwargs)
     read_only = buf.copy()
     read_only.flags.writeable = False
+    # int32 indices inside the cache's own memory: the route takes int64 copies of int32 indices, so this overlap
+    # must still be found (the general path's error)
+    idx_in_kv = kv.reshape(-1).view(np.int32)[-n:]
+    idx_in_kv[:] = np.arange(n)
     return [lambda: fastattn.rope_ext(buf, pos, out=np.ones((n, 2, 16), np.float32), **kwargs),
             lambda: fastattn.rope_ext(buf[..., :16], pos, out=buf[..., 8:24], **kwargs),
             lambda: fastattn.rope_ext(buf[..., :8], pos, **kwargs),
@@ -274,7 +278,8 @@ def _rope_fused_bad():
             lambda: fastattn.rope_set_rows(kv, buf, pos, idx + 3, **kwargs),
             lambda: fastattn.rope_set_rows(kv, buf, pos, idx[:-1], **kwargs),
             lambda: fastattn.rope_set_rows(kv, kv[:n, :64].reshape(n, 2, 32), pos, idx, **kwargs),
-            lambda: fastattn.rope_set_rows(kv, buf, pos, idx, **{**kwargs, "backward": 1})], [buf, kv]
+            lambda: fastattn.rope_set_rows(kv, buf, pos, idx, **{**kwargs, "backward": 1}),
+            lambda: fastattn.rope_set_rows(kv, buf, pos, idx_in_kv, **kwargs)], [buf, kv]
 
 
 def _attention_decode_bad():
