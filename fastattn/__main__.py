@@ -80,8 +80,8 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("--plot", metavar="FILE.png", default=None, help="bench: draw the rates against the roofs")
     warm = p.add_argument_group("warmup")
     warm.add_argument("--dtypes", type=_names, default=None,
-                      help="comma-separated K/V and activation dtypes to compile for (default: float32, float16 "
-                           "and, with ml_dtypes, bfloat16)")
+                      help="comma-separated K/V and activation dtypes to compile for: float32, float16, "
+                           "bfloat16, q8_0, q4_0 (default: all but q4_0; bfloat16 with ml_dtypes)")
     warm.add_argument("--jobs", type=_positive(int), default=None,
                       help="processes at a time (default: the number of cores)")
     return p

@@ -137,27 +137,34 @@ def test_warmup_units_cover_every_group_and_dtype():
         "attention decode float16", "rope float32", "rope float16", "norm float32", "norm float16",
         "set_rows float32", "set_rows float16"]
     assert warmup.units(["rope"], ["float16"]) == [warmup.Unit("rope", "float16")]
-    assert {u.dtype for u in warmup.units(["norm"])} == set(warmup.DEFAULT_DTYPES)
+    assert {u.dtype for u in warmup.units(["set_rows"])} == set(warmup.DEFAULT_DTYPES)
+    assert "q8_0" in warmup.DEFAULT_DTYPES
+    # the norms take no quantized input: no unit of theirs for a quantized type
+    assert {u.dtype for u in warmup.units(["norm"])} == set(warmup.DEFAULT_DTYPES) - {"q8_0"}
+    assert warmup.units(["norm", "set_rows"], ["q4_0"]) == [warmup.Unit("set_rows", "q4_0")]
     with pytest.raises(ValueError, match="ops: unknown"):
         warmup.units(["nope"], ["float32"])
-    with pytest.raises(ValueError, match="dtypes: expected float32, float16 or bfloat16, got 'int8'"):
+    with pytest.raises(ValueError, match="dtypes: expected float32, float16, bfloat16, q8_0 or q4_0, got 'int8'"):
         warmup.units(None, ["int8"])
 
 
 def test_warmup_compiles_into_the_cache_and_a_new_process_finds_it(tmp_path):
-    run = _run("warmup", "--ops", CHEAP_OPS, "--dtypes", "float32", "--threads", "1", cache_dir=tmp_path)
+    run = _run("warmup", "--ops", CHEAP_OPS, "--dtypes", "float32,q8_0", "--threads", "1", cache_dir=tmp_path)
     assert run.returncode == 0, run.stderr
     assert run.stdout == ""
-    assert re.search(r"^\[1/1\] \[#+\] set_rows float32 +\d+\.\d s  \(\d+ kernel\(s\) compiled\)$", run.stderr,
-                     re.M), run.stderr
+    for unit in ("set_rows float32", "set_rows q8_0"):
+        assert re.search(rf"^\[[12]/2\] \[[#.]+\] {unit} +\d+\.\d s  \(\d+ kernel\(s\) compiled\)$", run.stderr,
+                         re.M), run.stderr
     assert re.search(r"^warm-up done in \d+\.\d s: \d+ kernel\(s\) compiled", run.stderr, re.M)
     assert list(tmp_path.rglob("*.nbi"))
     # a new process: the first calls of set_rows (as the main job makes them) load from the cache
     code = ("import numpy as np, fastattn\n"
             "fastattn.set_num_threads(1)  # as warmed\n"
             "cache = np.zeros((1024, 1024), np.float32)\n"
+            "q8 = fastattn.quantize(np.zeros((1024, 1024), np.float32), 'q8_0')\n"
             "for rows in (1, 512):\n"
-            "    fastattn.set_rows(cache, np.ones((rows, 1024), np.float32), np.arange(rows))\n")
+            "    fastattn.set_rows(cache, np.ones((rows, 1024), np.float32), np.arange(rows))\n"
+            "    fastattn.set_rows(q8, np.ones((rows, 1024), np.float32), np.arange(rows))\n")
     first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                            env=dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path)))
     assert first.returncode == 0, first.stderr

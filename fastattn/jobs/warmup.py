@@ -17,10 +17,13 @@ from typing import TextIO
 
 from .. import _validate
 from .progress import elapsed
-from .warmup_calls import GROUPS, dtype_of
+from .warmup_calls import GROUPS, QUANTIZED, dtype_of
 
-#: The dtypes warmed when ``--dtypes`` is not given (bfloat16 only with ml_dtypes installed).
-DEFAULT_DTYPES = tuple(str(d) for d in _validate.STORAGE_FLOATS)
+#: The dtypes warmed when ``--dtypes`` is not given (bfloat16 only with ml_dtypes installed): the float dtypes
+#: and llama.cpp's usual quantized KV cache, Q8_0 (Q4_0 on request).
+DEFAULT_DTYPES = tuple(str(d) for d in _validate.STORAGE_FLOATS) + ("q8_0",)
+#: Unit groups with nothing to compile for a quantized type (the norms take no quantized input).
+_FLOAT_ONLY = ("norm",)
 
 
 @dataclass(frozen=True)
@@ -52,11 +55,12 @@ def units(ops: list[str] | None = None, dtypes: list[str] | None = None) -> list
         raise ValueError(f"ops: unknown {unknown}; expected some of {list(GROUPS)}")
     names = list(dtypes) if dtypes is not None else list(DEFAULT_DTYPES)
     if not names:
-        raise ValueError("dtypes: expected at least one of float32, float16, bfloat16")
+        raise ValueError("dtypes: expected at least one of float32, float16, bfloat16, q8_0, q4_0")
     for name in names:
         dtype_of(name)  # ValueError for an unknown or unavailable dtype
     wanted = [op for op in GROUPS if ops is None or op in ops]
-    return [Unit(group, name) for op in wanted for group in GROUPS[op] for name in dict.fromkeys(names)]
+    return [Unit(group, name) for op in wanted for group in GROUPS[op] for name in dict.fromkeys(names)
+            if not (name in QUANTIZED and group in _FLOAT_ONLY)]
 
 
 def run_unit(unit: Unit, thread_counts: list[int]) -> Done:

@@ -7,6 +7,10 @@ read through a transposed view), in place and out of place. Attention also runs 
 (the tiled path), decode with Nkv >= 512 (split_kv), and each path by name. Every call is made twice: a first
 call through an op's general path records the fast path's entry point, which the second call takes.
 
+A quantized type ("q8_0", "q4_0") names a KV cache stored in that type: its units write such caches
+(``quantize``, ``set_rows``, ``rope_set_rows``) and read them (``flash_attn_ext`` with ``Quantized`` K and V);
+the norms take no quantized input, so they have no unit for it.
+
 A combination an op does not support (it raises ``TypeError`` for the dtype) is skipped: there is nothing of it
 to compile.
 """
@@ -20,10 +24,15 @@ import numpy as np
 _WIDTH = 1024
 _LARGE_ROWS = 512
 _HEADS, _HEADS_KV, _HEAD_DIM = 8, 2, 128
+#: The quantized KV cache types a unit can be for.
+QUANTIZED = ("q8_0", "q4_0")
 
 
-def dtype_of(name: str) -> np.dtype:
-    """float32, float16 or bfloat16 (ml_dtypes) by name; ``ValueError`` for anything else."""
+def dtype_of(name: str) -> np.dtype | str:
+    """float32, float16 or bfloat16 (ml_dtypes) by name, or a quantized type's name (``QUANTIZED``) as is;
+    ``ValueError`` for anything else."""
+    if name in QUANTIZED:
+        return name
     if name == "bfloat16":
         try:
             import ml_dtypes
@@ -32,7 +41,7 @@ def dtype_of(name: str) -> np.dtype:
         return np.dtype(ml_dtypes.bfloat16)
     if name in ("float32", "float16"):
         return np.dtype(name)
-    raise ValueError(f"dtypes: expected float32, float16 or bfloat16, got {name!r}")
+    raise ValueError(f"dtypes: expected float32, float16, bfloat16, q8_0 or q4_0, got {name!r}")
 
 
 class _Calls:
@@ -75,12 +84,31 @@ def norm(dtype: np.dtype, call: _Calls) -> None:
             call(lambda: fastattn.add_rms_norm_mul(view, residual, w, 1e-5, out=out, sum_out=view))
 
 
-def set_rows(dtype: np.dtype, call: _Calls) -> None:
+def _cache(shape, dtype):
+    """A zeroed KV cache of ``shape`` (logical: values) in ``dtype``: an ndarray, or a ``Quantized`` of that type."""
+    import fastattn
+
+    if isinstance(dtype, str):
+        return fastattn.quantize(np.zeros(shape, np.float32), dtype)
+    return np.zeros(shape, dtype)
+
+
+def _activations(dtype) -> tuple[np.dtype, ...]:
+    """The source dtypes written into a cache of ``dtype``: float32, and the cache's own float dtype (a quantized
+    cache: float16 as well)."""
+    return tuple(dict.fromkeys((np.dtype(np.float32), np.dtype(np.float16) if isinstance(dtype, str) else dtype)))
+
+
+def set_rows(dtype: np.dtype | str, call: _Calls) -> None:
     import fastattn
 
     rng = np.random.default_rng(0)
-    cache = np.zeros((2 * _LARGE_ROWS, _WIDTH), dtype)
-    for src_dtype in dict.fromkeys((np.dtype(np.float32), dtype)):
+    cache = _cache((2 * _LARGE_ROWS, _WIDTH), dtype)
+    for src_dtype in _activations(dtype):
+        if isinstance(dtype, str):
+            for rows in (1, _LARGE_ROWS):
+                x = _data(rng, (rows, _WIDTH), src_dtype)
+                call(lambda: fastattn.dequantize(fastattn.quantize(x, dtype)))
         for rows in (1, _LARGE_ROWS):
             src = _data(rng, (rows, _WIDTH), src_dtype)
             wide = _data(rng, (rows, 3 * _WIDTH), src_dtype)
@@ -90,10 +118,39 @@ def set_rows(dtype: np.dtype, call: _Calls) -> None:
                 call(lambda: fastattn.set_rows(cache, wide[:, _WIDTH:2 * _WIDTH], idx))
 
 
-def rope(dtype: np.dtype, call: _Calls) -> None:
+def rope(dtype: np.dtype | str, call: _Calls) -> None:
+    """rope_ext / apply_rope_cache of x in ``dtype`` (float dtypes), and K rotated into a cache of ``dtype``: at
+    512 tokens with 2 KV heads (below the parallel size: the table route) and 8 (the fused route)."""
     import fastattn
 
     rng = np.random.default_rng(0)
+    h, d = _HEADS, _HEAD_DIM
+    if not isinstance(dtype, str):
+        _rope_activations(dtype, call, rng)
+    neox = dict(n_dims=d, mode=fastattn.ROPE_NEOX, freq_base=500000.0)
+    normal = dict(n_dims=d, mode=fastattn.ROPE_NORMAL, freq_base=10000.0)
+    for n, h_kv in ((1, _HEADS_KV), (_LARGE_ROWS, _HEADS_KV), (_LARGE_ROWS, 4 * _HEADS_KV)):
+        pos = np.arange(n, dtype=np.int32) + 7
+        kv = _cache((2 * _LARGE_ROWS, h_kv, d), dtype)
+        flat = _cache((2 * _LARGE_ROWS, h_kv * d), dtype)
+        for x_dtype in _activations(dtype):
+            qkv_k = _data(rng, (n, (h + 2 * h_kv) * d), x_dtype)
+            k = qkv_k[:, h * d:(h + h_kv) * d].reshape(n, h_kv, d)
+            k_contiguous = np.ascontiguousarray(k)
+            for idx_dtype in (np.int32, np.int64):
+                idx = np.arange(n, dtype=idx_dtype) + 5
+                for kwargs in (neox, normal):
+                    cache = fastattn.rope_cache(pos, **kwargs)
+                    call(lambda: fastattn.rope_set_rows(kv, k, pos, idx, **kwargs))
+                    call(lambda: fastattn.rope_set_rows(kv, k_contiguous, pos, idx, **kwargs))
+                    call(lambda: fastattn.rope_set_rows(flat, k_contiguous, pos, idx, **kwargs))
+                    call(lambda: fastattn.apply_rope_cache_set_rows(flat, k_contiguous, cache, idx))
+                    call(lambda: fastattn.apply_rope_cache_set_rows(kv, k, cache, idx))
+
+
+def _rope_activations(dtype: np.dtype, call: _Calls, rng: np.random.Generator) -> None:
+    import fastattn
+
     h, d = _HEADS, _HEAD_DIM
     neox = dict(n_dims=d, mode=fastattn.ROPE_NEOX, freq_base=500000.0)
     normal = dict(n_dims=d, mode=fastattn.ROPE_NORMAL, freq_base=10000.0)
@@ -115,30 +172,32 @@ def rope(dtype: np.dtype, call: _Calls) -> None:
         pos4 = np.stack([pos, pos // 4, pos % 4, np.zeros_like(pos)])
         call(lambda: fastattn.rope_ext(x, pos4, **mrope))
         call(lambda: fastattn.apply_rope_cache(q, fastattn.rope_cache(pos4, **mrope), out=q))
-        # K (float32 activations, or this dtype) rotated into a KV cache of this dtype
-        kv = np.zeros((2 * _LARGE_ROWS, _HEADS_KV, d), dtype)
-        for x_dtype in dict.fromkeys((np.dtype(np.float32), dtype)):
-            qkv_k = _data(rng, (n, (h + 2 * _HEADS_KV) * d), x_dtype)
-            k = qkv_k[:, h * d:(h + _HEADS_KV) * d].reshape(n, _HEADS_KV, d)
-            k_contiguous = np.ascontiguousarray(k)
-            for idx_dtype in (np.int32, np.int64):
-                idx = np.arange(n, dtype=idx_dtype) + 5
-                for kwargs in (neox, normal):
-                    cache = fastattn.rope_cache(pos, **kwargs)
-                    call(lambda: fastattn.rope_set_rows(kv, k, pos, idx, **kwargs))
-                    call(lambda: fastattn.rope_set_rows(kv, k_contiguous, pos, idx, **kwargs))
-                    call(lambda: fastattn.rope_set_rows(kv.reshape(len(kv), -1), k_contiguous, pos, idx, **kwargs))
-                    call(lambda: fastattn.apply_rope_cache_set_rows(kv.reshape(len(kv), -1), k_contiguous,
-                                                                    cache, idx))
-                    call(lambda: fastattn.apply_rope_cache_set_rows(kv, k, cache, idx))
 
 
 def _causal(n_q: int, n_kv: int, dtype) -> np.ndarray:
     return np.where(np.arange(n_kv)[None, :] > np.arange(n_q)[:, None] + (n_kv - n_q), -np.inf, 0.0).astype(dtype)
 
 
-def _attention(dtype: np.dtype, call: _Calls, shapes: list[tuple[int, int, int]], paths: tuple[str, ...]) -> None:
-    """flash_attn_ext on (Nq, Nkv, Hkv) shapes: K/V of ``dtype``, no mask / float16 / float32 causal masks,
+def _kv(rng: np.random.Generator, shape, dtype):
+    """K or V values of ``shape`` stored in ``dtype``: an ndarray, or a ``Quantized`` of that type."""
+    import fastattn
+
+    values = _data(rng, shape, np.float32 if isinstance(dtype, str) else dtype)
+    return fastattn.quantize(values, dtype) if isinstance(dtype, str) else values
+
+
+def _token_major(cache):
+    """K and V as (1, Hkv, Nkv, D) views of a token-major cache (2, Nkv, Hkv, D) (an ndarray or a Quantized)."""
+    import fastattn
+
+    if isinstance(cache, fastattn.Quantized):
+        return tuple(fastattn.Quantized(c.transpose(1, 0, 2)[None], cache.qtype) for c in cache.data)
+    return tuple(c.transpose(1, 0, 2)[None] for c in cache)
+
+
+def _attention(dtype: np.dtype | str, call: _Calls, shapes: list[tuple[int, int, int]],
+               paths: tuple[str, ...]) -> None:
+    """flash_attn_ext on (Nq, Nkv, Hkv) shapes: K/V stored in ``dtype``, no mask / float16 / float32 causal masks,
     contiguous and as transposed views of a token-major cache, each of ``paths``."""
     import fastattn
 
@@ -148,9 +207,8 @@ def _attention(dtype: np.dtype, call: _Calls, shapes: list[tuple[int, int, int]]
         h = 4 * h_kv
         q = _data(rng, (1, h, n_q, d), np.float32)
         q_view = _data(rng, (n_q, h, d), np.float32).transpose(1, 0, 2)[None]  # (1, H, Nq, D) of token-major Q
-        k, v = _data(rng, (1, h_kv, n_kv, d), dtype), _data(rng, (1, h_kv, n_kv, d), dtype)
-        cache = _data(rng, (2, n_kv, h_kv, d), dtype)
-        k_view, v_view = (c.transpose(1, 0, 2)[None] for c in cache)  # (1, Hkv, Nkv, D) of a token-major cache
+        k, v = _kv(rng, (1, h_kv, n_kv, d), dtype), _kv(rng, (1, h_kv, n_kv, d), dtype)
+        k_view, v_view = _token_major(_kv(rng, (2, n_kv, h_kv, d), dtype))  # (1, Hkv, Nkv, D) views of a cache
         out = np.empty((1, n_q, h, d), np.float32)
         masks = [None] + [_causal(n_q, n_kv, m) for m in (np.float16, np.float32)]
         for path in paths:
