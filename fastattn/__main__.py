@@ -69,6 +69,10 @@ def parser() -> argparse.ArgumentParser:
                    help="thread counts, e.g. 1,2. check/bench: run at each (default: all of Numba's threads); "
                         "warmup: warm at each (default: 1 and all)")
     p.add_argument("--list", action="store_true", help="list the op groups and exit")
+    p.add_argument("--jobs", type=_positive(int), default=None,
+                   help="processes compiling at a time (default: the number of cores). check/bench: the cases' "
+                        "first calls run in that many processes before the timing (1: in the job's own); "
+                        "warmup: units at a time")
     check = p.add_argument_group("check and bench")
     check.add_argument("--json", metavar="FILE", default=None,
                        help="also write the results as JSON to FILE; '-' writes only JSON to stdout and the "
@@ -82,8 +86,7 @@ def parser() -> argparse.ArgumentParser:
     warm.add_argument("--dtypes", type=_names, default=None,
                       help="comma-separated K/V and activation dtypes to compile for: float32, float16, "
                            "bfloat16, q8_0, q4_0 (default: all but q4_0; bfloat16 with ml_dtypes)")
-    warm.add_argument("--jobs", type=_positive(int), default=None,
-                      help="processes at a time (default: the number of cores)")
+
     return p
 
 
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, name) is not None:
                 p.error(f"--{name} belongs to the check and bench commands")
         return _warmup(p, args)
-    for name in ("dtypes", "jobs"):
+    for name in ("dtypes",):
         if getattr(args, name) is not None:
             p.error(f"--{name} belongs to the warmup command: python -m fastattn warmup --{name} ...")
     if args.plot and args.command != "bench":
@@ -138,7 +141,7 @@ def _check(p: argparse.ArgumentParser, args) -> int:
     if busy:
         print(f"warning: {busy}", file=sys.stderr)
     results = jobs.run(ops, threads=thread_counts, budget_s=args.budget, rounds=args.rounds,
-                       progress=Progress(sys.stderr))
+                       progress=Progress(sys.stderr), compile_jobs=args.jobs or cores)
     load_end = machine.load_average()
     loads = [x for x in (load_start, load_end) if x is not None]
     busy = machine.busy_warning(max(loads) if loads else None, cores)

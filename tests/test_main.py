@@ -15,6 +15,8 @@ from fastattn.jobs import checks, warmup
 
 #: The cheapest op group: two small kernels to compile.
 CHEAP_OPS = "set_rows"
+#: An elapsed time as the progress writes it: "12.3 s", or "1:05" from a minute on.
+ELAPSED = r"(\d+\.\d s|\d+:\d\d)"
 
 
 def _run(*args, cache_dir=None, timeout=600) -> subprocess.CompletedProcess:
@@ -28,7 +30,7 @@ def _run(*args, cache_dir=None, timeout=600) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def json_run(tmp_path_factory):
     """One run of the cheap group, compiling into an empty Numba cache (so its first calls compile)."""
-    return _run("--ops", CHEAP_OPS, "--threads", "1", "--budget", "0.01", "--json", "-",
+    return _run("--ops", CHEAP_OPS, "--threads", "1", "--budget", "0.01", "--json", "-", "--jobs", "1",
                 cache_dir=tmp_path_factory.mktemp("numba_cache"))
 
 
@@ -57,6 +59,26 @@ def test_progress_table_legend_and_summary_go_to_stderr(json_run):
     assert "speed-up  reference median / fast median" in err  # the legend
     assert re.search(r"^2/2 agree with the reference$", err, re.M)
     assert "fastattn: compiling" not in err  # the notices show as progress, not as loose lines
+
+
+def test_first_calls_ahead_in_worker_processes(tmp_path):
+    """--jobs 2: the cases' first calls (compiling into the empty cache) run in two worker processes before the
+    timing; their figures fill the "1st call" column and the job's own process only loads the kernels."""
+    run = _run("--ops", CHEAP_OPS, "--threads", "1,2", "--budget", "0.01", "--json", "-", "--jobs", "2",
+               cache_dir=tmp_path)
+    assert run.returncode == 0, run.stderr
+    for k in (1, 2):
+        assert re.search(rf"^\[{k}/2\] +{ELAPSED}  first calls: set_rows .*\((compiled \d+\.\d s|cached)\)$",
+                         run.stderr, re.M), run.stderr
+    assert re.search(rf"first calls of 2 case\(s\) made in {ELAPSED} on 2 processes; now timing$", run.stderr,
+                     re.M), run.stderr
+    assert "compiling rows kernel" not in run.stderr  # nothing left to compile in the job's own process
+    report = json.loads(run.stdout)
+    assert len(report["results"]) == 4 and all(r["ok"] for r in report["results"])
+    for r in report["results"]:
+        assert r["extra"]["loaded_ms"] >= 0  # the job's own first call, after the workers'
+    # each case compiled in its worker, at the first thread count it ran (1 thread: the serial kernels)
+    assert all(r["compiled"] and r["compile_s"] > 0 for r in report["results"] if r["threads"] == 1)
 
 
 def test_without_json_the_table_and_summary_go_to_stdout(tmp_path):
@@ -118,7 +140,7 @@ def test_busy_machine_and_slow_fast_paths_are_warned_about():
     assert report.warnings([one], []) == []
 
 
-@pytest.mark.parametrize("argv", [["--dtypes", "float32"], ["--jobs", "2"], ["warmup", "--json", "-"],
+@pytest.mark.parametrize("argv", [["--dtypes", "float32"], ["--jobs", "0"], ["warmup", "--json", "-"],
                                   ["check", "--plot", "x.png"], ["--ops", "nope"], ["--threads", "0"],
                                   ["--budget", "-1"], ["warmup", "--ops", "nope"], ["warmup", "--dtypes", "int8"]])
 def test_bad_arguments_exit_with_status_2(argv, capsys):
@@ -153,9 +175,9 @@ def test_warmup_compiles_into_the_cache_and_a_new_process_finds_it(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout == ""
     for unit in ("set_rows float32", "set_rows q8_0"):
-        assert re.search(rf"^\[[12]/2\] \[[#.]+\] {unit} +\d+\.\d s  \(\d+ kernel\(s\) compiled\)$", run.stderr,
+        assert re.search(rf"^\[[12]/2\] \[[#.]+\] {unit} +{ELAPSED}  \(\d+ kernel\(s\) compiled\)$", run.stderr,
                          re.M), run.stderr
-    assert re.search(r"^warm-up done in \d+\.\d s: \d+ kernel\(s\) compiled", run.stderr, re.M)
+    assert re.search(rf"^warm-up done in {ELAPSED}: \d+ kernel\(s\) compiled", run.stderr, re.M)
     assert list(tmp_path.rglob("*.nbi"))
     # a new process: the first calls of set_rows (as the main job makes them) load from the cache
     code = ("import numpy as np, fastattn\n"

@@ -55,6 +55,8 @@ class Case:
     check: Check
     nbytes: float = 0.0  # bytes read + written, for GB/s
     flops: float = 0.0  # for GFLOP/s (when set, reported instead of GB/s)
+    op_group: str = ""  # set by ``build``: the registered op group and the case's place in its list
+    index: int = 0
 
     @property
     def label(self) -> str:
@@ -115,26 +117,42 @@ def select_ops(ops: Iterable[str] | None) -> list[str]:
 
 
 def build(ops: list[str], config: Config = LAYER) -> list[Case]:
-    """Every case of ``ops``, with fresh inputs (the same for the same config)."""
-    return [case for op in ops for case in _BUILDERS[op](config, np.random.default_rng(config.seed))]
+    """Every case of ``ops``, with fresh inputs (the same for the same config), each marked with its op group
+    and its place in the group's list (how a worker process builds the same case: ``ahead``)."""
+    cases = []
+    for op in ops:
+        for index, case in enumerate(_BUILDERS[op](config, np.random.default_rng(config.seed))):
+            case.op_group, case.index = op, index
+            cases.append(case)
+    return cases
 
 
 def run(ops: Iterable[str] | None = None, threads: Iterable[int | None] = (None,), config: Config = LAYER,
-        budget_s: float = 0.5, rounds: int = 5, progress: Progress | None = None) -> list[Result]:
+        budget_s: float = 0.5, rounds: int = 5, progress: Progress | None = None,
+        compile_jobs: int = 1) -> list[Result]:
     """Build, check and time every case of ``ops`` (all when None) at each thread count (None: the current one).
 
     ``budget_s``: seconds of timing per figure (fast and reference each), split into ``rounds`` rounds. The
     reference is run and timed once per case, at the first thread count (it does not use fastattn's threads).
+    ``compile_jobs`` > 1: the cases' first calls run first in that many worker processes at once (``ahead``), so
+    their kernels compile on every core; their figures are the "1st call" column.
     """
     wanted = select_ops(ops)
     counts = [n or _threads.get_num_threads() for n in threads]
     results: list[Result] = []
     references: dict[tuple[str, str, str], tuple[Any, Timing]] = {}
+    phase = None
+    if compile_jobs > 1:
+        from .ahead import Ahead
+
+        phase = Ahead(wanted, counts, config, compile_jobs)
     with CompileWatch(progress) as watch:
         if progress:
-            progress.preparing(f"preparing the cases of {', '.join(wanted)}")
+            progress.preparing(f"preparing the cases of {', '.join(wanted)}"
+                               + (f"; their first calls in {compile_jobs} processes" if phase else ""))
         first = build(wanted, config)
         total, k = len(first) * len(counts), 0
+        ahead_calls = phase.wait(len(first), progress) if phase else {}
         for i, n_threads in enumerate(counts):
             cases = first if i == 0 else build(wanted, config)  # fresh inputs: some cases work in place
             # each figure is labelled with its thread count: the prange kernels run on that many (fixed rule)
@@ -143,7 +161,8 @@ def run(ops: Iterable[str] | None = None, threads: Iterable[int | None] = (None,
                     k += 1
                     if progress:
                         progress.case(k, total, f"{case.label}, {n} thread{'' if n == 1 else 's'}")
-                    results.append(_run_case(case, n, budget_s, rounds, watch, references))
+                    results.append(_run_case(case, n, budget_s, rounds, watch, references,
+                                             ahead_calls.get((case.op_group, case.index, n))))
             first = cases = []  # let the inputs go before the next thread count builds its own
     if progress:
         progress.finish()
@@ -151,12 +170,17 @@ def run(ops: Iterable[str] | None = None, threads: Iterable[int | None] = (None,
 
 
 def _run_case(case: Case, n_threads: int, budget_s: float, rounds: int, watch: CompileWatch,
-              references: dict) -> Result:
+              references: dict, ahead_call=None) -> Result:
     compiles, compile_s = watch.started, watch.seconds
     t0 = time.perf_counter()
     fast_out = _snapshot(case.fast())  # a copy: in-place cases overwrite their result while being timed
     first_ms = (time.perf_counter() - t0) * 1e3
     compiled, compile_s = watch.started > compiles, watch.seconds - compile_s
+    extra = {}
+    if ahead_call is not None:  # the first call was made in a worker (``ahead``); here the kernels were loaded
+        extra["loaded_ms"] = round(first_ms, 3)
+        first_ms, compiled = ahead_call.ms, ahead_call.compiled or compiled
+        compile_s += ahead_call.compile_s
     # The fast path is timed before the reference runs: OpenBLAS's worker threads spin for a while after the
     # reference's matmuls and would steal the cores a parallel kernel launched right then needs.
     fast = time_rounds(case.fast, budget_s, rounds)
@@ -176,7 +200,7 @@ def _run_case(case: Case, n_threads: int, budget_s: float, rounds: int, watch: C
                   case.check.tolerance, reference.median_ms, fast.median_ms, first_ms,
                   reference.median_ms / fast.median_ms, rate, unit, reference.min_ms, fast.min_ms, fast.rounds,
                   compiled, compile_s,
-                  extra={"parallel": bool(case.flops) or case.nbytes >= _threads.PARALLEL_MIN_BYTES})
+                  extra={"parallel": bool(case.flops) or case.nbytes >= _threads.PARALLEL_MIN_BYTES, **extra})
 
 
 def _snapshot(result):

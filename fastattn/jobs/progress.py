@@ -81,6 +81,16 @@ class Progress:
         self.k, self.total, self.label = k, total, label
         self._write(self._head() + label)
 
+    def ahead(self, k: int, total: int, label: str, what: str) -> None:
+        """A case's first calls done in a worker process (``ahead``), ``what`` they compiled."""
+        width = len(str(total))
+        self._write(f"[{k:>{width}}/{total}] {elapsed(time.perf_counter() - self.start):>7}  first calls: "
+                    f"{label} ({what})")
+
+    def ahead_done(self, total: int, workers: int, took: str) -> None:
+        self._write(f"{elapsed(time.perf_counter() - self.start):>7}  first calls of {total} case(s) made in "
+                    f"{took} on {workers} processes; now timing")
+
     def compiling(self, kind: str, kernel: str, seconds: float | None) -> None:
         if self.tty:
             prefix = self._head() if self.total else ""

@@ -22,8 +22,10 @@ ms        time per call, "min / median" over the rounds (each round: back-to-bac
 speed-up  reference median / fast median. The reference is plain float64 NumPy, the definition the results
           are checked against, not a tuned competitor; below 1x the fast path is slower than it.
 rate      the fast median as GB/s (bytes read + written) or GFLOP/s (attention prefill).
-1st call  the case's first fast call in this process: it compiles the kernels the case needs ("compiled";
-          they are then cached on disk) or loads them from Numba's cache, and picks the path."""
+1st call  the case's first fast call in a fresh process: it compiles the kernels the case needs ("compiled";
+          they are then cached on disk) or loads them from Numba's cache, and picks the path. With --jobs
+          above 1 (the default on several cores) the cases' first calls are made before the timing, in that
+          many processes at once, so compiling uses every core; the timing then loads the kernels."""
 
 
 def _ms(value: float) -> str:

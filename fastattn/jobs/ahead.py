@@ -1,0 +1,106 @@
+"""The main job's compile-ahead phase: the cases' first calls, in worker processes on all cores, before timing.
+
+Numba compiles on the calling thread, so a job that compiles its cases' kernels as it reaches them uses one core
+for most of its first run. Here each op group is handed to a pool of fresh processes, the slowest to compile
+first; a worker builds the group's cases as the job does and, case by case at every thread count of the run,
+makes the first fast call (timed: the "1st call" figure, compilation included) and two more (the calls after a
+first one take the ops' compiled fast paths, which may compile too), reporting each case as it finishes. The
+kernels land in Numba's on-disk cache, so the job's own process, which builds its inputs meanwhile, then only
+loads them, and times with the cores otherwise idle. With a warm cache the phase costs the workers' start-up
+(about a second each) and loads.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import queue as queue_module
+import time
+from dataclasses import dataclass
+
+from .progress import Progress, elapsed
+
+#: Op groups in the order they are handed out: the slowest to compile first, so no worker is left with a long
+#: one at the end.
+ORDER = ("attention", "rope", "norm", "set_rows")
+
+
+@dataclass(frozen=True)
+class FirstCall:
+    """What a case's first fast call did in a fresh process, at one thread count."""
+
+    ms: float
+    compiled: bool
+    compile_s: float
+
+
+_reports = None  # per worker process: the queue its finished cases go to (set by the pool's initializer)
+
+
+def _set_queue(reports) -> None:
+    global _reports
+    _reports = reports
+
+
+def first_calls(op: str, thread_counts: list[int], config) -> None:
+    """The worker's task: every case of ``op`` at each thread count; each case reported as it finishes."""
+    import numpy as np
+
+    from .. import _notices, _threads
+    from . import _BUILDERS, available_ops
+    from .progress import CompileWatch
+
+    _notices.LOGGER.propagate = False  # the parent process shows the progress
+    available_ops()
+    with CompileWatch() as watch:  # a handler on the notices' logger: none is printed here
+        for index, case in enumerate(_BUILDERS[op](config, np.random.default_rng(config.seed))):
+            done = {}
+            for n in thread_counts:
+                with _threads.num_threads(n), _threads.thread_rule("fixed"):
+                    started, seconds = watch.started, watch.seconds
+                    start = time.perf_counter()
+                    case.fast()
+                    ms = (time.perf_counter() - start) * 1e3
+                    done[n] = FirstCall(ms, watch.started > started, watch.seconds - seconds)
+                    case.fast()
+                    case.fast()
+            _reports.put((op, index, case.label, done))
+
+
+class Ahead:
+    """The phase, started before the job builds its own cases (``start``) and waited for after (``wait``)."""
+
+    def __init__(self, ops: list[str], thread_counts: list[int], config, workers: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.reports = context.Queue()
+        self.start = time.perf_counter()
+        self.workers = workers
+        self.pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_set_queue,
+                                                           initargs=(self.reports,))
+        order = sorted(ops, key=lambda op: ORDER.index(op) if op in ORDER else len(ORDER))
+        self.futures = [self.pool.submit(first_calls, op, thread_counts, config) for op in order]
+
+    def wait(self, total: int, progress: Progress | None) -> dict[tuple[str, int, int], FirstCall]:
+        """The first calls by (op group, index, thread count), as workers report them (``total`` cases). A
+        group whose worker fails keeps the cases it did not report: the job runs them itself and reports any
+        error."""
+        results: dict[tuple[str, int, int], FirstCall] = {}
+        k = 0
+        try:
+            while True:
+                try:
+                    op, index, label, done = self.reports.get(timeout=0.2)
+                except queue_module.Empty:
+                    if all(f.done() for f in self.futures) and self.reports.empty():
+                        break
+                    continue
+                k += 1
+                for n, first in done.items():
+                    results[(op, index, n)] = first
+                if progress:
+                    seconds = sum(f.compile_s for f in done.values())
+                    progress.ahead(k, total, label, f"compiled {seconds:.1f} s" if seconds else "cached")
+        finally:
+            self.pool.shutdown()
+        if progress:
+            progress.ahead_done(k, self.workers, elapsed(time.perf_counter() - self.start))
+        return results
