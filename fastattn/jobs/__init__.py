@@ -150,7 +150,12 @@ def run(ops: Iterable[str] | None = None, threads: Iterable[int | None] = (None,
         if progress:
             progress.preparing(f"preparing the cases of {', '.join(wanted)}"
                                + (f"; their first calls in {compile_jobs} processes" if phase else ""))
-        first = build(wanted, config)
+        try:
+            first = build(wanted, config)
+        except BaseException:
+            if phase:
+                phase.close()
+            raise
         total, k = len(first) * len(counts), 0
         ahead_calls = phase.wait(len(first), progress) if phase else {}
         for i, n_threads in enumerate(counts):

@@ -79,6 +79,10 @@ class Ahead:
         order = sorted(ops, key=lambda op: ORDER.index(op) if op in ORDER else len(ORDER))
         self.futures = [self.pool.submit(first_calls, op, thread_counts, config) for op in order]
 
+    def close(self) -> None:
+        """Stop early: cancel the groups not started, wait for the workers."""
+        self.pool.shutdown(cancel_futures=True)
+
     def wait(self, total: int, progress: Progress | None) -> dict[tuple[str, int, int], FirstCall]:
         """The first calls by (op group, index, thread count), as workers report them (``total`` cases). A
         group whose worker fails keeps the cases it did not report: the job runs them itself and reports any
