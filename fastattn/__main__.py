@@ -86,7 +86,6 @@ def parser() -> argparse.ArgumentParser:
     warm.add_argument("--dtypes", type=_names, default=None,
                       help="comma-separated K/V and activation dtypes to compile for: float32, float16, "
                            "bfloat16, q8_0, q4_0 (default: all but q4_0; bfloat16 with ml_dtypes)")
-
     return p
 
 
