@@ -9,7 +9,9 @@ enters as uint16 bits and is widened exactly.
 
 A block of a contiguous row is quantized by an LLVM intrinsic on four 8-wide vectors (``_q8_0_block_vector``,
 ``_q4_0_block_vector``): the largest magnitude as an integer max of the magnitude bits, the scale's divisions and
-the scaling as plain IEEE operations (no fast-math flags), the packing as vector integer operations. LLVM does not
+the scaling as plain IEEE operations (no fast-math flags), the packing as vector integer operations. Q8_0 takes
+four blocks at a time where it can (``_q8_0_blocks4_vector``): their maxima reduced together and their scales
+divided in one vector, the same operations lane by lane. LLVM does not
 vectorise the scalar block loops (``_q8_0_block``, ``_q4_0_block``, kept for strided rows): it cannot prove the
 float row and the byte row apart. The two give the same bytes.
 
@@ -123,6 +125,69 @@ def _q8_0_vector_codegen(context, builder, signature, llargs):
         q = builder.trunc(builder.fptosi(rounded, v8_i32), v8_i8)
         builder.store(q, builder.bitcast(builder.gep(base, [const(2 + LANES * p)]), v8_i8.as_pointer()), align=1)
     return context.get_dummy_value()
+
+
+#: Blocks ``_q8_0_blocks4_vector`` quantizes at once, and where each one's scale lands in its 8 lanes.
+_GROUP = 4
+_GROUP_LANES = (0, 4, 2, 6)
+
+
+def _q8_0_blocks4_codegen(context, builder, signature, llargs):
+    """Four consecutive blocks: their largest magnitudes reduced together (a transposed max: one vector of the
+    four maxima, each in two lanes), then d = amax / 127 and 1 / d divided once for all four, lane by lane the
+    same IEEE operations as the single block's."""
+    x = context.make_array(signature.args[0])(context, builder, llargs[0])
+    out = context.make_array(signature.args[2])(context, builder, llargs[2])
+    j0 = as_int64(context, builder, llargs[1], signature.args[1])
+    o = as_int64(context, builder, llargs[3], signature.args[3])
+    v8_i32 = ir.VectorType(ir.IntType(32), LANES)
+    dtype = signature.args[0].dtype
+    values = [[load8(builder, dtype, x.data, builder.add(j0, const(BLOCK * b + LANES * p))) for p in range(4)]
+              for b in range(_GROUP)]
+    sign_off = ir.Constant(v8_i32, [0x7FFFFFFF] * LANES)
+
+    def umax(a, b):
+        return builder.select(builder.icmp_unsigned(">", a, b), a, b)
+
+    tops = []
+    for block in values:
+        m = [builder.and_(builder.bitcast(v, v8_i32), sign_off) for v in block]
+        tops.append(umax(umax(m[0], m[1]), umax(m[2], m[3])))
+    # lanes 0-3 block 0 and 4-7 block 1 (c01), blocks 2 and 3 (c23); then [b0 b0 b2 b2 b1 b1 b3 b3]; then each
+    # pair of lanes holds its block's maximum
+    c01 = umax(shuffle(builder, tops[0], tops[1], [0, 1, 2, 3, 8, 9, 10, 11]),
+               shuffle(builder, tops[0], tops[1], [4, 5, 6, 7, 12, 13, 14, 15]))
+    c23 = umax(shuffle(builder, tops[2], tops[3], [0, 1, 2, 3, 8, 9, 10, 11]),
+               shuffle(builder, tops[2], tops[3], [4, 5, 6, 7, 12, 13, 14, 15]))
+    e = umax(shuffle(builder, c01, c23, [0, 1, 8, 9, 4, 5, 12, 13]),
+             shuffle(builder, c01, c23, [2, 3, 10, 11, 6, 7, 14, 15]))
+    top = umax(e, shuffle(builder, e, ir.Constant(v8_i32, ir.Undefined), [1, 0, 3, 2, 5, 4, 7, 6]))
+    d = builder.fdiv(builder.bitcast(top, V8), ir.Constant(V8, [127.0] * LANES))
+    zero = ir.Constant(V8, [0.0] * LANES)
+    inverse = builder.select(builder.fcmp_ordered("!=", d, zero), builder.fdiv(ir.Constant(V8, [1.0] * LANES), d),
+                             zero)
+    scale_bits = builder.bitcast(builder.fptrunc(d, ir.VectorType(ir.HalfType(), LANES)),
+                                 ir.VectorType(ir.IntType(16), LANES))
+    round_ = builder.module.declare_intrinsic("llvm.round.v8f32", (), ir.FunctionType(V8, [V8]))
+    v8_i8 = ir.VectorType(ir.IntType(8), LANES)
+    for b, lane in enumerate(_GROUP_LANES):
+        base = builder.gep(out.data, [builder.add(o, const(Q8_0_BYTES * b))])
+        builder.store(builder.extract_element(scale_bits, ir.Constant(ir.IntType(32), lane)),
+                      builder.bitcast(base, ir.IntType(16).as_pointer()), align=1)
+        inv = splat(builder, builder.extract_element(inverse, ir.Constant(ir.IntType(32), lane)))
+        for p, v in enumerate(values[b]):
+            q = builder.trunc(builder.fptosi(builder.call(round_, [builder.fmul(v, inv)]), v8_i32), v8_i8)
+            builder.store(q, builder.bitcast(builder.gep(base, [const(2 + LANES * p)]), v8_i8.as_pointer()),
+                          align=1)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def _q8_0_blocks4_vector(typingctx, x, j0, out, o):
+    """``_q8_0_block_vector`` for the four blocks from value j0 (bytes from o): the same bytes, the reduction
+    and the divisions shared."""
+    _check_block_vector("_q8_0_blocks4_vector", x, j0, out, o)
+    return types.none(x, j0, out, o), _q8_0_blocks4_codegen
 
 
 @intrinsic
@@ -253,8 +318,14 @@ def _blocks_of_row(x, out, code):
 @kernel(inline=True, exact=True)
 def _blocks_of_contiguous_row(x, out, code):
     if code == Q8_0:
-        for blk in range(x.shape[0] // BLOCK):
+        n_blocks = x.shape[0] // BLOCK
+        blk = 0
+        while blk + _GROUP <= n_blocks:
+            _q8_0_blocks4_vector(x, blk * BLOCK, out, blk * 34)
+            blk += _GROUP
+        while blk < n_blocks:
             _q8_0_block_vector(x, blk * BLOCK, out, blk * 34)
+            blk += 1
     else:
         for blk in range(x.shape[0] // BLOCK):
             _q4_0_block_vector(x, blk * BLOCK, out, blk * 18)
