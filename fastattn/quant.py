@@ -11,8 +11,7 @@ A block of a contiguous row is quantized by an LLVM intrinsic on four 8-wide vec
 ``_q4_0_block_vector``): the largest magnitude as an integer max of the magnitude bits, the scale's divisions and
 the scaling as plain IEEE operations (no fast-math flags), the packing as vector integer operations. Q8_0 takes
 four blocks at a time where it can (``_q8_0_blocks4_vector``): their maxima reduced together and their scales
-divided in one vector, the same operations lane by lane. LLVM does not
-vectorise the scalar block loops (``_q8_0_block``, ``_q4_0_block``, kept for strided rows): it cannot prove the
+divided in one vector, the same operations lane by lane. LLVM does not vectorise the scalar block loops (``_q8_0_block``, ``_q4_0_block``, kept for strided rows): it cannot prove the
 float row and the byte row apart. The two give the same bytes.
 
 Layout: leading axes are merged into one (``_layout.merge_leading``, never a copy), so the kernels see rows:
@@ -97,6 +96,22 @@ def _q8_0_block(x, j0, out, o):
         out[o + 2 + j] = np.uint8(np.int32(r) & 0xFF)
 
 
+def _umax(builder, a, b):
+    return builder.select(builder.icmp_unsigned(">", a, b), a, b)
+
+
+def _store_q8_0(builder, base, scale_bits, inverse, values):
+    """One Q8_0 block at byte pointer ``base``: its float16 scale bits, then round(v · inverse) of its four
+    8-wide ``values`` (``llvm.round``: halves away from zero) as int8."""
+    builder.store(scale_bits, builder.bitcast(base, ir.IntType(16).as_pointer()), align=1)
+    round_ = builder.module.declare_intrinsic("llvm.round.v8f32", (), ir.FunctionType(V8, [V8]))
+    v8_i32, v8_i8 = ir.VectorType(ir.IntType(32), LANES), ir.VectorType(ir.IntType(8), LANES)
+    for p, v in enumerate(values):
+        q = builder.trunc(builder.fptosi(builder.call(round_, [builder.fmul(v, splat(builder, inverse))]), v8_i32),
+                          v8_i8)
+        builder.store(q, builder.bitcast(builder.gep(base, [const(2 + LANES * p)]), v8_i8.as_pointer()), align=1)
+
+
 def _q8_0_vector_codegen(context, builder, signature, llargs):
     x = context.make_array(signature.args[0])(context, builder, llargs[0])
     out = context.make_array(signature.args[2])(context, builder, llargs[2])
@@ -105,25 +120,15 @@ def _q8_0_vector_codegen(context, builder, signature, llargs):
     i32, v8_i32 = ir.IntType(32), ir.VectorType(ir.IntType(32), LANES)
     values = [load8(builder, signature.args[0].dtype, x.data, builder.add(j0, const(LANES * p))) for p in range(4)]
     magnitude = [builder.and_(builder.bitcast(v, v8_i32), ir.Constant(v8_i32, [0x7FFFFFFF] * LANES)) for v in values]
-
-    def umax(a, b):
-        return builder.select(builder.icmp_unsigned(">", a, b), a, b)
-    top = umax(umax(magnitude[0], magnitude[1]), umax(magnitude[2], magnitude[3]))
+    top = _umax(builder, _umax(builder, magnitude[0], magnitude[1]), _umax(builder, magnitude[2], magnitude[3]))
     reduce = builder.module.declare_intrinsic("llvm.vector.reduce.umax.v8i32", (), ir.FunctionType(i32, [v8_i32]))
     amax = builder.bitcast(builder.call(reduce, [top]), ir.FloatType())
     f32 = ir.FloatType()
     d = builder.fdiv(amax, ir.Constant(f32, 127.0))
     inverse = builder.select(builder.fcmp_ordered("!=", d, ir.Constant(f32, 0.0)),
                              builder.fdiv(ir.Constant(f32, 1.0), d), ir.Constant(f32, 0.0))
-    base = builder.gep(out.data, [o])
     scale_bits = builder.bitcast(builder.fptrunc(d, ir.HalfType()), ir.IntType(16))
-    builder.store(scale_bits, builder.bitcast(base, ir.IntType(16).as_pointer()), align=1)
-    round_ = builder.module.declare_intrinsic("llvm.round.v8f32", (), ir.FunctionType(V8, [V8]))
-    v8_i8 = ir.VectorType(ir.IntType(8), LANES)
-    for p, v in enumerate(values):
-        rounded = builder.call(round_, [builder.fmul(v, splat(builder, inverse))])
-        q = builder.trunc(builder.fptosi(rounded, v8_i32), v8_i8)
-        builder.store(q, builder.bitcast(builder.gep(base, [const(2 + LANES * p)]), v8_i8.as_pointer()), align=1)
+    _store_q8_0(builder, builder.gep(out.data, [o]), scale_bits, inverse, values)
     return context.get_dummy_value()
 
 
@@ -147,7 +152,7 @@ def _q8_0_blocks4_codegen(context, builder, signature, llargs):
     sign_off = ir.Constant(v8_i32, [0x7FFFFFFF] * LANES)
 
     def umax(a, b):
-        return builder.select(builder.icmp_unsigned(">", a, b), a, b)
+        return _umax(builder, a, b)
 
     tops = []
     for block in values:
@@ -168,17 +173,10 @@ def _q8_0_blocks4_codegen(context, builder, signature, llargs):
                              zero)
     scale_bits = builder.bitcast(builder.fptrunc(d, ir.VectorType(ir.HalfType(), LANES)),
                                  ir.VectorType(ir.IntType(16), LANES))
-    round_ = builder.module.declare_intrinsic("llvm.round.v8f32", (), ir.FunctionType(V8, [V8]))
-    v8_i8 = ir.VectorType(ir.IntType(8), LANES)
     for b, lane in enumerate(_GROUP_LANES):
-        base = builder.gep(out.data, [builder.add(o, const(Q8_0_BYTES * b))])
-        builder.store(builder.extract_element(scale_bits, ir.Constant(ir.IntType(32), lane)),
-                      builder.bitcast(base, ir.IntType(16).as_pointer()), align=1)
-        inv = splat(builder, builder.extract_element(inverse, ir.Constant(ir.IntType(32), lane)))
-        for p, v in enumerate(values[b]):
-            q = builder.trunc(builder.fptosi(builder.call(round_, [builder.fmul(v, inv)]), v8_i32), v8_i8)
-            builder.store(q, builder.bitcast(builder.gep(base, [const(2 + LANES * p)]), v8_i8.as_pointer()),
-                          align=1)
+        at = ir.Constant(ir.IntType(32), lane)
+        _store_q8_0(builder, builder.gep(out.data, [builder.add(o, const(Q8_0_BYTES * b))]),
+                    builder.extract_element(scale_bits, at), builder.extract_element(inverse, at), values[b])
     return context.get_dummy_value()
 
 
@@ -236,7 +234,7 @@ def _q4_0_vector_codegen(context, builder, signature, llargs):
                                         bits))
 
     def umax(a, b):
-        return builder.select(builder.icmp_unsigned(">", a, b), a, b)
+        return _umax(builder, a, b)
     reduce = builder.module.declare_intrinsic("llvm.vector.reduce.umax.v8i32", (), ir.FunctionType(i32, [v8_i32]))
     top = builder.call(reduce, [umax(umax(magnitude[0], magnitude[1]), umax(magnitude[2], magnitude[3]))])
     # m: the first value of the largest magnitude (+0 when every magnitude is 0, as the loop starts from m = +0)
@@ -321,10 +319,10 @@ def _blocks_of_contiguous_row(x, out, code):
         n_blocks = x.shape[0] // BLOCK
         blk = 0
         while blk + _GROUP <= n_blocks:
-            _q8_0_blocks4_vector(x, blk * BLOCK, out, blk * 34)
+            _q8_0_blocks4_vector(x, blk * BLOCK, out, blk * Q8_0_BYTES)
             blk += _GROUP
         while blk < n_blocks:
-            _q8_0_block_vector(x, blk * BLOCK, out, blk * 34)
+            _q8_0_block_vector(x, blk * BLOCK, out, blk * Q8_0_BYTES)
             blk += 1
     else:
         for blk in range(x.shape[0] // BLOCK):

@@ -43,16 +43,13 @@ def _set_queue(reports) -> None:
 
 def first_calls(op: str, thread_counts: list[int], config) -> None:
     """The worker's task: every case of ``op`` at each thread count; each case reported as it finishes."""
-    import numpy as np
-
     from .. import _notices, _threads
-    from . import _BUILDERS, available_ops
+    from . import build, select_ops
     from .progress import CompileWatch
 
     _notices.LOGGER.propagate = False  # the parent process shows the progress
-    available_ops()
     with CompileWatch() as watch:  # a handler on the notices' logger: none is printed here
-        for index, case in enumerate(_BUILDERS[op](config, np.random.default_rng(config.seed))):
+        for case in build(select_ops([op]), config):
             done = {}
             for n in thread_counts:
                 with _threads.num_threads(n), _threads.thread_rule("fixed"):
@@ -63,7 +60,7 @@ def first_calls(op: str, thread_counts: list[int], config) -> None:
                     done[n] = FirstCall(ms, watch.started > started, watch.seconds - seconds)
                     case.fast()
                     case.fast()
-            _reports.put((op, index, case.label, done))
+            _reports.put((op, case.index, case.label, done))
 
 
 class Ahead:
