@@ -1,8 +1,8 @@
 """Hypothesis strategies shared by every test module, and the two profiles.
 
-Profiles: ``ci`` (default: bounded, derandomised; the whole suite took 11 min 43 s on a fresh clone on 2 cores,
-most of it first-time Numba compilation) and
-``fuzz`` (many more examples, random seeds), chosen with ``FASTATTN_HYPOTHESIS=fuzz``.
+Profiles: ``ci`` (default: bounded, derandomised, attention's kernel variants drawn from a covering set: most of a
+cold run is first-time Numba compilation) and ``fuzz`` (many more examples, random seeds, every kernel variant),
+chosen with ``FASTATTN_HYPOTHESIS=fuzz``.
 
 Arrays are drawn as *views*: a parent buffer larger than the array (padding on every axis, optional step 2,
 optional permuted memory order) filled with random values, and the view the op sees. ``StridedView`` keeps a
@@ -29,7 +29,8 @@ settings.register_profile(
     "fuzz", max_examples=400, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
-settings.load_profile(os.environ.get("FASTATTN_HYPOTHESIS", "ci"))
+PROFILE = os.environ.get("FASTATTN_HYPOTHESIS", "ci")
+settings.load_profile(PROFILE)
 
 #: Storage dtypes of half-precision-capable inputs (bfloat16 only with ml_dtypes).
 float_dtypes = st.sampled_from(STORAGE_FLOATS)
@@ -120,20 +121,42 @@ def has_bf16() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Attention's kernel variants. Each (K/V storage dtype, mask dtype or no mask, mask with a row per head or shared
+# by the heads) is compiled again for every path (seconds each on 2 cores, most of the suite's time), while shapes,
+# strides and values are runtime arguments of the same compiled code. The ci profile draws the variants from
+# ATTENTION_COVERING: every storage dtype, no mask, and each mask dtype both shared and per head, each at least once
+# (7 of the 15 combinations, also used by the fixed-case tests, so they share the compilations); the fuzz profile
+# draws all of them.
+_SHARED, _PER_HEAD = False, True
+ATTENTION_COVERING = [(FLOAT32, None, _SHARED), (FLOAT16, None, _SHARED), (FLOAT16, FLOAT16, _SHARED),
+                      (FLOAT32, FLOAT32, _SHARED), (FLOAT32, FLOAT32, _PER_HEAD), (FLOAT16, FLOAT16, _PER_HEAD)]
+if BFLOAT16 is not None:
+    ATTENTION_COVERING.append((BFLOAT16, FLOAT32, _SHARED))
+ATTENTION_ALL = [(kv, mask, per_head) for kv in STORAGE_FLOATS for mask, per_head in
+                 ((None, _SHARED), (FLOAT16, _SHARED), (FLOAT16, _PER_HEAD), (FLOAT32, _SHARED), (FLOAT32, _PER_HEAD))]
+#: (K/V storage dtype, mask dtype or None, per-head mask), as above.
+attention_variants = st.sampled_from(ATTENTION_ALL if PROFILE == "fuzz" else ATTENTION_COVERING)
+
+
 # Attention masks (added for flash_attn_ext): the kinds ggml's test suite draws, as float16 or float32 arrays.
 @st.composite
-def attention_masks(draw, B: int, Hq: int, Nq: int, Nkv: int):
+def attention_masks(draw, B: int, Hq: int, Nq: int, Nkv: int, dtype=None, per_head: bool | None = None):
     """None, or an additive mask (..., Nm >= Nq, Nkv) broadcastable as ggml: causal, random ``-inf`` blocks,
     fully masked rows, or ALiBi-style distances; float16 or float32, 2-D or 4-D with head/batch axes that divide
-    Hq and B."""
-    kind = draw(st.sampled_from(("none", "causal", "blocks", "full_rows", "distance")))
+    Hq and B. ``dtype`` given (a variant of ``attention_variants``): a mask of that dtype, with a head axis of
+    more than one row when ``per_head`` (Hq must be at least 2) and of one row otherwise."""
+    kinds = ("causal", "blocks", "full_rows", "distance")
+    kind = draw(st.sampled_from(kinds if dtype is not None else ("none",) + kinds))
     if kind == "none":
         return None
     rng = np.random.default_rng(draw(seeds))
     Nm = Nq + draw(st.sampled_from((0, 0, 3)))  # ggml pads the mask's rows; extra rows are ignored
-    if draw(st.booleans()):
+    heads = sorted({h for h in (1, 2, Hq) if Hq % h == 0})
+    if per_head is not None:
+        heads = [h for h in heads if (h > 1) == per_head]
+    if per_head or draw(st.booleans()):
         Bm = draw(st.sampled_from(sorted({1, B})))
-        Hm = draw(st.sampled_from(sorted({h for h in (1, 2, Hq) if Hq % h == 0})))
+        Hm = draw(st.sampled_from(heads))
         shape = (Bm, Hm, Nm, Nkv)
     else:
         shape = (Nm, Nkv)
@@ -152,7 +175,7 @@ def attention_masks(draw, B: int, Hq: int, Nq: int, Nkv: int):
     else:  # distance: -|i - j| as ALiBi masks in ggml's tests, beyond a window -inf
         values = -np.abs(rows - cols + (Nkv - Nq)).astype(np.float64) * np.ones(shape)
         values = np.where(-values > draw(st.sampled_from((Nkv, 8))), -np.inf, values)
-    return values.astype(draw(f32_or_f16))
+    return values.astype(draw(f32_or_f16) if dtype is None else dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------

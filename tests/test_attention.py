@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from fastattn.testing import assert_within_rule
 from attention_cases import FLOOR, naive_f32
-from strategies import attention_masks, dims, fill, float_dtypes, strided, thread_counts
+from strategies import attention_masks, attention_variants, dims, fill, strided, thread_counts
 
 import fastattn
 from fastattn import _attention_split_kv, _threads
@@ -60,18 +60,18 @@ HEAD_SIZES = st.sampled_from([(16, 16), (40, 40), (64, 64), (72, 72), (80, 80), 
 def attention_problems(draw, path):
     B = draw(st.sampled_from((1, 1, 2)))
     Bk = draw(st.sampled_from(sorted({1, B})))
+    dtype, mask_dtype, per_head = draw(attention_variants)
     Hkv = draw(st.sampled_from((1, 2, 3)))
-    Hq = Hkv * draw(st.sampled_from((1, 2, 3, 4, 5, 8)))
+    Hq = Hkv * draw(st.sampled_from((2, 3, 4, 5, 8) if per_head and Hkv == 1 else (1, 2, 3, 4, 5, 8)))
     Nq = 1 if path == "split_kv" else draw(st.one_of(st.sampled_from((1, 3, 63, 64, 65)), dims(1, 40)))
     Nkv = draw(st.one_of(st.sampled_from((1, 31, 32, 33, 63, 64, 65, 129)), dims(1, 100)))
     DK, DV = draw(HEAD_SIZES)
-    dtype = draw(float_dtypes)
     big_logits = draw(st.booleans())
     scale = 1.0 / np.sqrt(DK) if not big_logits else 400.0 / np.sqrt(DK)  # logits up to about +-1e4
     q = draw(strided((B, Hq, Nq, DK), np.float32))
     k = draw(strided((Bk, Hkv, Nkv, DK), dtype))
     v = draw(strided((Bk, Hkv, Nkv, DV), dtype))
-    mask = draw(attention_masks(B, Hq, Nq, Nkv))
+    mask = None if mask_dtype is None else draw(attention_masks(B, Hq, Nq, Nkv, mask_dtype, per_head))
     params = dict(scale=scale,
                   max_bias=draw(st.sampled_from((0.0, 0.0, 8.0))) if mask is not None else 0.0,
                   logit_softcap=draw(st.sampled_from((0.0, 0.0, 30.0))))
@@ -106,7 +106,7 @@ def test_decode_and_short_prefill_around_the_split_threshold(path, Nkv, dtype):
     q = fill(rng, (1, 8, Nq, 64), np.float32)
     cache_k = fill(rng, (1, 2, Nkv + 7, 64), dtype)
     cache_v = fill(rng, (1, 2, Nkv + 7, 64), dtype)
-    mask = np.where(np.arange(Nkv)[None, :] > np.arange(Nq)[:, None] + Nkv - Nq, -np.inf, 0.0).astype(np.float16)
+    mask = np.where(np.arange(Nkv)[None, :] > np.arange(Nq)[:, None] + Nkv - Nq, -np.inf, 0.0).astype(dtype)
     for threads in (1, 2):
         check(q, cache_k[:, :, :Nkv], cache_v[:, :, :Nkv], mask, path=path, threads=threads, scale=0.125,
               what=f"Nkv {Nkv} threads {threads}")
@@ -158,7 +158,7 @@ def test_split_kv_is_bit_identical_for_one_and_two_threads():
         q = fill(rng, (1, 32, 1, 64), np.float32)
         k = fill(rng, (1, 8, Nkv, 64), dtype)
         v = fill(rng, (1, 8, Nkv, 64), dtype)
-        mask = np.where(rng.random((1, Nkv)) < 0.1, -np.inf, 0.0).astype(np.float16)
+        mask = np.where(rng.random((1, Nkv)) < 0.1, -np.inf, 0.0).astype(dtype)
         assert 8 * Nkv * 128 * k.itemsize >= _threads.PARALLEL_MIN_BYTES  # the 2-thread call runs in parallel
         sinks = fill(rng, (32,), np.float32)
         results = []
@@ -328,7 +328,7 @@ def test_against_torch_sdpa():
     q = fill(rng, (1, 8, 5, 32), np.float32)
     k = fill(rng, (1, 2, 40, 32), np.float16)
     v = fill(rng, (1, 2, 40, 32), np.float16)
-    mask = np.where(np.arange(40)[None, :] > np.arange(5)[:, None] + 35, -np.inf, 0.0).astype(np.float32)
+    mask = np.where(np.arange(40)[None, :] > np.arange(5)[:, None] + 35, -np.inf, 0.0).astype(np.float16)
     want = torch.nn.functional.scaled_dot_product_attention(
         torch.from_numpy(q.astype(np.float64)), torch.from_numpy(k.astype(np.float64)),
         torch.from_numpy(v.astype(np.float64)), attn_mask=torch.from_numpy(mask.astype(np.float64)), scale=0.3,

@@ -34,7 +34,7 @@ def test_window_on_one_chunk_is_the_sliced_call_bit_for_bit(dtype, threads):
     rng = np.random.default_rng(0)
     n_kv, start = 40 * ROWS + 7, 29 * ROWS  # the window starts on a block boundary, the cache ends mid-block
     q, k, v = _decode_inputs(rng, n_kv, dtype)
-    mask = np.full((1, n_kv), -np.inf, np.float16)
+    mask = np.full((1, n_kv), -np.inf, dtype)  # masks of the K/V dtype: the suite's kernel variants (strategies)
     mask[:, start:] = 0.0
     with fastattn.num_threads(threads), fastattn.testing.parallel_min_bytes(0):
         masked = fastattn.flash_attn_ext(q, k, v, mask, scale=0.125, path="one_chunk")
@@ -49,7 +49,7 @@ def test_padded_batch_entries_are_their_single_calls_bit_for_bit(dtype):
     lengths = [ROWS, 3 * ROWS, 6 * ROWS, 8 * ROWS]  # whole blocks: a cut block would sum in another order
     n_kv = max(lengths)
     q, k, v = _decode_inputs(rng, n_kv, dtype, batch=len(lengths))
-    mask = np.full((len(lengths), 1, 1, n_kv), -np.inf, np.float32)
+    mask = np.full((len(lengths), 1, 1, n_kv), -np.inf, dtype)
     for b, n in enumerate(lengths):
         mask[b, ..., :n] = 0.0
     with fastattn.num_threads(2), fastattn.testing.parallel_min_bytes(0):
@@ -71,7 +71,7 @@ def test_hidden_blocks_are_not_read_and_match_the_reference(path, dtype):
     v = rng.standard_normal((2, HKV, n_kv, D), dtype=np.float32).astype(dtype)
     # per-head masks (Hm = 2): a window on head 0, a padded prefix and hidden runs on head 1, a block hidden from
     # one head only, and a partly hidden block
-    mask = rng.uniform(-1, 1, (2, 2, n_q, n_kv)).astype(np.float32)
+    mask = rng.uniform(-1, 1, (2, 2, n_q, n_kv)).astype(dtype)
     mask[0, 0, :, :30 * ROWS] = -np.inf
     mask[1, 1, :, 5 * ROWS:21 * ROWS + 3] = -np.inf
     mask[:, :, :, 40 * ROWS:41 * ROWS] = -np.inf
@@ -93,7 +93,7 @@ def test_hidden_blocks_are_not_read_and_match_the_reference(path, dtype):
 def test_fully_hidden_cache_gives_zeros_and_sinks_alone_give_zeros(path):
     rng = np.random.default_rng(3)
     q, k, v = _decode_inputs(rng, 20 * ROWS, np.float16)
-    mask = np.full((1, 20 * ROWS), -np.inf, np.float32)
+    mask = np.full((1, 20 * ROWS), -np.inf, np.float16)
     with fastattn.testing.parallel_min_bytes(0):
         out = fastattn.flash_attn_ext(q, k, v, mask, scale=0.125, path=path)
         with_sinks = fastattn.flash_attn_ext(q, k, v, mask, scale=0.125, path=path,

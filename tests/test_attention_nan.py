@@ -88,7 +88,7 @@ def problems(draw, path, threads):
     Bm = draw(st.sampled_from(sorted({1, B})))
     kind = draw(st.sampled_from(("entries", "cache", "windows")))
     mask, dead = hide(np.random.default_rng(draw(seeds)), kind, (Bm, Hm, Nq, Nkv))
-    mask = mask.astype(F16 if threads > 1 else draw(st.sampled_from((F32, F16))))
+    mask = mask.astype(kv_dtype)  # masks of the K/V dtype: the suite's kernel variants (strategies)
     params = dict(scale=1.0 / np.sqrt(DK),
                   max_bias=draw(st.sampled_from((0.0, 8.0, 1e6))),  # 1e6: every slope 0
                   logit_softcap=draw(st.sampled_from((0.0, 20.0))))
@@ -161,7 +161,7 @@ def test_rows_hidden_from_some_heads_only(path, kv_dtype, G):
             mask[:, 1::2, Nq // 2:, 6] = -np.inf  # row 6: from the odd heads' later queries
             mask[:, 0::2, :, 40:] = -np.inf  # whole KV tiles and blocks hidden from some heads
             for threads in (1, 2) if np.isnan(poison) else (1,):
-                check_poisoned(path, threads, q, k.copy(), v.copy(), mask.astype(F16), [row], poison, 3, True,
+                check_poisoned(path, threads, q, k.copy(), v.copy(), mask.astype(kv_dtype), [row], poison, 3, True,
                                dict(scale=0.2, max_bias=8.0))
 
 

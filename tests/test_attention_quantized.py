@@ -6,9 +6,10 @@ bytes around every row and between rows (bytes whose blocks read as NaN), reache
 llama.cpp cache is; keys hidden by the mask for every head and query row hold NaN blocks too, so a kernel that
 reads what it must not gives NaN.
 
-Every K/V type pair, mask dtype and thread count compiles each path again (seconds each), so the draws are kept
-to what exercises distinct code: three type pairs, float16 masks (an all-zero one standing in for no mask, which
-``test_every_path_reads_the_same_values`` covers), and 2 threads for the Q8_0 pair.
+Every K/V type pair, mask dtype, mask head layout and thread count compiles each path again (seconds each), so
+the draws are kept to what exercises distinct code: three type pairs, float16 masks (an all-zero one standing in
+for no mask, which ``test_every_path_reads_the_same_values`` covers), a mask with a row per head for the Q4_0
+pair and one shared by the heads for the others, and 2 threads for the Q8_0 pair.
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ from fastattn._quantized import BLOCK_BYTES
 from fastattn.attention import choose_path
 from fastattn.testing import assert_within_rule, parallel_min_bytes
 
-#: (K type, V type): both quantized of one type, and a quantized K with a float16 V.
-PAIRS = [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "float16")]
+#: (K type, V type, mask with a row per head): both quantized of one type, and a quantized K with a float16 V.
+PAIRS = [("q8_0", "q8_0", False), ("q4_0", "q4_0", True), ("q8_0", "float16", False)]
 PATHS = ["one_chunk", "tiled", "split_kv", "auto"]
 GUARD = 0xFF  # 0xFFFF as a block's float16 scale is NaN: a guard byte read as data shows up
 
@@ -62,18 +63,19 @@ class Cache:
 
 @st.composite
 def problems(draw, path):
-    k_kind, v_kind = draw(st.sampled_from(PAIRS))
+    k_kind, v_kind, per_head = draw(st.sampled_from(PAIRS))
     B = draw(st.sampled_from((1, 2)))
     Bk = draw(st.sampled_from(sorted({1, B})))
     Hkv = draw(st.sampled_from((1, 2)))
-    Hq = Hkv * draw(st.sampled_from((1, 3, 4, 8)))
+    Hq = Hkv * draw(st.sampled_from((3, 4, 8) if per_head and Hkv == 1 else (1, 3, 4, 8)))
     Nq = 1 if path == "split_kv" else draw(st.sampled_from((1, 5, 48, 70)))
     Nkv = draw(st.sampled_from((1, 31, 33, 64, 100, 700)))
     DK = draw(st.sampled_from((32, 64, 128)))
     DV = draw(st.sampled_from((DK, 32)))
     rng = np.random.default_rng(draw(seeds))
-    mask = draw(attention_masks(B, Hq, Nq, Nkv))
-    mask = np.zeros((Nq, Nkv), np.float16) if mask is None else mask.astype(np.float16)
+    mask = draw(attention_masks(B, Hq, Nq, Nkv, np.float16, per_head))
+    if draw(st.integers(0, 4)) == 0:  # all zero, standing in for no mask
+        mask = np.zeros_like(mask)
     # keys hidden from every head and query row: their cache rows are poisoned
     hidden = (mask[..., :Nq, :] == -np.inf).reshape(-1, Nkv).all(axis=0)
     # logits of moderate size (huge ones make any float32 evaluation's error a coin toss, see test_attention)
