@@ -11,7 +11,7 @@ import pytest
 
 from fastattn import __main__ as cli
 from fastattn import jobs
-from fastattn.jobs import checks, warmup
+from fastattn.jobs import ahead, checks, warmup
 
 #: The cheapest op group: two small kernels to compile.
 CHEAP_OPS = "set_rows"
@@ -79,6 +79,23 @@ def test_first_calls_ahead_in_worker_processes(tmp_path):
         assert r["extra"]["loaded_ms"] >= 0  # the job's own first call, after the workers'
     # each case compiled in its worker, at the first thread count it ran (1 thread: the serial kernels)
     assert all(r["compiled"] and r["compile_s"] > 0 for r in report["results"] if r["threads"] == 1)
+
+
+def test_compile_ahead_tasks_keep_cases_sharing_kernels_together():
+    """Cases of one op group marked with the same kernels go to one worker (compiled once); the rest one task
+    each, attention's first (the slowest to compile)."""
+    cases = jobs.build(jobs.select_ops(["norm", "attention", "rope"]))
+    tasks = ahead.tasks(cases)
+    assert sorted(i for op, indices in tasks for i in indices) == sorted(c.index for c in cases)
+    assert tasks[0][0] == "attention"
+    assert [op for op, _ in tasks] == sorted((op for op, _ in tasks), key=ahead.ORDER.index)
+    by_label = {c.label: (c.op_group, c.index) for c in cases}
+    for shared in (("attention decode Nkv 512 32/8x128 f16 KV, auto", "attention decode Nkv 512 32/8x128 f16 KV, "
+                    "split_kv"), ("rope_ext (512,32,128) f32, neox out of place",
+                                  "rope_ext (512,32,128) f32, neox in place, fused QKV view")):
+        op, first = by_label[shared[0]]
+        assert (op, [first, by_label[shared[1]][1]]) in tasks
+    assert len(tasks) == len(cases) - 2
 
 
 def test_without_json_the_table_and_summary_go_to_stdout(tmp_path):

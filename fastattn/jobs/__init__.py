@@ -57,6 +57,9 @@ class Case:
     flops: float = 0.0  # for GFLOP/s (when set, reported instead of GB/s)
     op_group: str = ""  # set by ``build``: the registered op group and the case's place in its list
     index: int = 0
+    #: Cases of one op group with the same non-empty ``kernels`` compile the same kernels: the compile-ahead phase
+    #: (``ahead``) gives them to one worker, which compiles them once; every other case is a task of its own.
+    kernels: str = ""
 
     @property
     def label(self) -> str:
@@ -145,13 +148,15 @@ def run(ops: Iterable[str] | None = None, threads: Iterable[int | None] = (None,
     if compile_jobs > 1:
         from .ahead import Ahead
 
-        phase = Ahead(wanted, counts, config, compile_jobs)
+        phase = Ahead(counts, config, compile_jobs)  # its workers start while this process builds the cases
     with CompileWatch(progress) as watch:
         if progress:
             progress.preparing(f"preparing the cases of {', '.join(wanted)}"
                                + (f"; their first calls in {compile_jobs} processes" if phase else ""))
         try:
             first = build(wanted, config)
+            if phase:
+                phase.submit(first)
         except BaseException:
             if phase:
                 phase.close()

@@ -1,13 +1,15 @@
 """The main job's compile-ahead phase: the cases' first calls, in worker processes on all cores, before timing.
 
 Numba compiles on the calling thread, so a job that compiles its cases' kernels as it reaches them uses one core
-for most of its first run. Here each op group is handed to a pool of fresh processes, the slowest to compile
-first; a worker builds the group's cases as the job does and, case by case at every thread count of the run,
-makes the first fast call (timed: the "1st call" figure, compilation included) and two more (the calls after a
-first one take the ops' compiled fast paths, which may compile too), reporting each case as it finishes. The
-kernels land in Numba's on-disk cache, so the job's own process, which builds its inputs meanwhile, then only
-loads them, and times with the cores otherwise idle. With a warm cache the phase costs the workers' start-up
-(about a second each) and loads.
+for most of its first run. Here the cases are handed to a pool of fresh processes as tasks: one per case, except
+that the cases of an op group sharing their kernels (``Case.kernels``) form one task, so they are compiled once.
+Tasks go out by op group, the slowest to compile first, and a free worker takes the next, so the cores stay
+busy until the last ones. A worker builds the task's op group as the job does and, case by case at every thread
+count of the run, makes the first fast call (timed: the "1st call" figure, compilation included) and two more
+(the calls after a first one take the ops' compiled fast paths, which may compile too), reporting each case as
+it finishes. The kernels land in Numba's on-disk cache, so the job's own process then only loads them, and times
+with the cores otherwise idle. The workers start (a fresh interpreter importing fastattn) while the job builds
+its cases; with a warm cache the phase costs that start-up and the loads.
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from dataclasses import dataclass
 
 from .progress import Progress, elapsed
 
-#: Op groups in the order they are handed out: the slowest to compile first, so no worker is left with a long
-#: one at the end.
+#: Op groups in the order their tasks are handed out: the slowest to compile first, so no worker is left with a
+#: long one at the end.
 ORDER = ("attention", "rope", "norm", "set_rows")
 
 
@@ -41,8 +43,23 @@ def _set_queue(reports) -> None:
     _reports = reports
 
 
-def first_calls(op: str, thread_counts: list[int], config) -> None:
-    """The worker's task: every case of ``op`` at each thread count; each case reported as it finishes."""
+def tasks(cases) -> list[tuple[str, list[int]]]:
+    """The compile-ahead tasks of ``cases``, in the order they are handed out, as (op group, case indices): one
+    per case, one per set of cases of an op group with the same ``kernels``; op groups in ``ORDER``."""
+    grouped: dict[tuple[str, object], list[int]] = {}
+    rank = {op: i for i, op in enumerate(ORDER)}
+    for case in sorted(cases, key=lambda c: (rank.get(c.op_group, len(ORDER)), c.op_group, c.index)):
+        grouped.setdefault((case.op_group, case.kernels or case.index), []).append(case.index)
+    return [(op, indices) for (op, _), indices in grouped.items()]
+
+
+def _start() -> None:
+    """A no-op task: makes the pool start a worker (and import fastattn) before the real tasks are known."""
+    from .. import _notices  # noqa: F401
+
+
+def first_calls(op: str, indices: list[int], thread_counts: list[int], config) -> None:
+    """The worker's task: the cases of ``op`` at ``indices`` at each thread count; each reported as it finishes."""
     from .. import _notices, _threads
     from . import build, select_ops
     from .progress import CompileWatch
@@ -50,6 +67,8 @@ def first_calls(op: str, thread_counts: list[int], config) -> None:
     _notices.LOGGER.propagate = False  # the parent process shows the progress
     with CompileWatch() as watch:  # a handler on the notices' logger: none is printed here
         for case in build(select_ops([op]), config):
+            if case.index not in indices:
+                continue
             done = {}
             for n in thread_counts:
                 with _threads.num_threads(n), _threads.thread_rule("fixed"):
@@ -66,15 +85,21 @@ def first_calls(op: str, thread_counts: list[int], config) -> None:
 class Ahead:
     """The phase, started before the job builds its own cases (``start``) and waited for after (``wait``)."""
 
-    def __init__(self, ops: list[str], thread_counts: list[int], config, workers: int) -> None:
+    def __init__(self, thread_counts: list[int], config, workers: int) -> None:
         context = multiprocessing.get_context("spawn")
         self.reports = context.Queue()
         self.start = time.perf_counter()
         self.workers = workers
+        self.thread_counts = thread_counts
+        self.config = config
         self.pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_set_queue,
                                                            initargs=(self.reports,))
-        order = sorted(ops, key=lambda op: ORDER.index(op) if op in ORDER else len(ORDER))
-        self.futures = [self.pool.submit(first_calls, op, thread_counts, config) for op in order]
+        self.futures = [self.pool.submit(_start) for _ in range(workers)]
+
+    def submit(self, cases) -> None:
+        """Hand out the first calls of ``cases`` (the job's, as ``build`` made them) as ``tasks``."""
+        self.futures += [self.pool.submit(first_calls, op, indices, self.thread_counts, self.config)
+                         for op, indices in tasks(cases)]
 
     def close(self) -> None:
         """Stop early: cancel the groups not started, wait for the workers."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import dequantize, flash_attn_ext, quantize
+from .. import flash_attn_ext
 from .. import reference
 from . import Case, Config, register
 from .checks import float32_rule
@@ -71,14 +71,15 @@ def build(config: Config, rng: np.random.Generator) -> list[Case]:
             "attention", f"decode Nkv {n_kv} {Hq}/{Hkv}x{D} f16 KV", path,
             fast=lambda path=path: flash_attn_ext(qd, kd, vd, scale=scale, path=path, out=out_d),
             reference=lambda: reference.flash_attn_ext(qd, kd, vd, scale=scale),
-            check=check, nbytes=kd.nbytes + vd.nbytes))
+            check=check, nbytes=kd.nbytes + vd.nbytes, kernels="decode f16"))  # split_kv: the same group loop
 
-    kq = quantize(kd, "q8_0")
-    vq = quantize(vd, "q8_0")
+    # the reference quantizer (NumPy; the same bytes as fastattn.quantize): building the case compiles nothing
+    kq = reference.quantize(kd, "q8_0")
+    vq = reference.quantize(vd, "q8_0")
     cases.append(Case(
         "attention", f"decode Nkv {n_kv} {Hq}/{Hkv}x{D} q8_0 KV", "auto",
         fast=lambda: flash_attn_ext(qd, kq, vq, scale=scale, out=out_d),
         reference=lambda: reference.flash_attn_ext(qd, kq, vq, scale=scale),
-        check=float32_rule(naive_f32(qd, dequantize(kq), dequantize(vq), None, scale), FLOOR),
+        check=float32_rule(naive_f32(qd, reference.dequantize(kq), reference.dequantize(vq), None, scale), FLOOR),
         nbytes=kq.data.nbytes + vq.data.nbytes))
     return cases

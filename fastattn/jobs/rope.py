@@ -45,7 +45,7 @@ def rope_cases(config: Config, rng: np.random.Generator) -> list[Case]:
     cases.append(Case("rope_ext", f"({n},{h},{d}) f32", "neox out of place",
                       fast=lambda: fastattn.rope_ext(x, pos, **neox, out=out),
                       reference=lambda: ref.rope_ext(x, pos, **neox, out=np.empty(x.shape)),
-                      check=_rule(x, pos, base), nbytes=2 * x.nbytes))
+                      check=_rule(x, pos, base), nbytes=2 * x.nbytes, kernels="rope_ext"))
 
     # Q inside the fused QKV projection output, rotated in place. The first (checked) call rotates the original
     # values; timing calls keep rotating the same buffer.
@@ -55,7 +55,7 @@ def rope_cases(config: Config, rng: np.random.Generator) -> list[Case]:
     cases.append(Case("rope_ext", f"({n},{h},{d}) f32", "neox in place, fused QKV view",
                       fast=lambda: fastattn.rope_ext(q, pos, **neox, out=q),
                       reference=lambda: ref.rope_ext(q0, pos, **neox, out=np.empty(q0.shape)),
-                      check=_rule(q0, pos, base), nbytes=2 * q.nbytes))
+                      check=_rule(q0, pos, base), nbytes=2 * q.nbytes, kernels="rope_ext"))
 
     # decode: one cache for the step, applied in place (to Q; K is the same call)
     step = np.array([n], np.int32)
