@@ -8,7 +8,9 @@ size 128). It runs twice, each time in a fresh Python process: first with an emp
 (everything the call needs is compiled: the "cold" figure the first-use budget bounds at 10 s), then again
 with that cache filled (the "warm" figure: loading the machine code, bounded at 0.5 s). The process reports
 the call's wall and CPU seconds and the kernels fastattn's compile notices named, with their seconds.
-Imports (NumPy, Numba, fastattn) are not counted. The table goes in docs/benchmarks.md.
+Imports (NumPy, Numba, fastattn) are not counted. The first row times Numba's own start-up alone (its
+registries, loaded at a process's first Numba call, whatever the op): the warm figures of the cases that call no
+kernel while building their inputs include it. The table goes in docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -22,6 +24,11 @@ import time
 
 #: name -> (op group, setup code defining ``call``). Shapes: one layer of the main job's model.
 CASES = {
+    # what every process's first Numba call pays once, whatever the op: Numba loading its typing and lowering
+    # registries (the warm figures of cases that call no kernel while building their inputs include it)
+    "Numba's start-up alone (no fastattn kernel)": ("startup", """
+from numba.core.registry import cpu_target
+call = lambda: cpu_target.target_context.refresh()"""),
     "rms_norm_mul (512, 4096) f32": ("norm", """
 x = rng.standard_normal((512, 4096)).astype(np.float32); w = np.ones(4096, np.float32)
 call = lambda: fastattn.rms_norm_mul(x, w, 1e-5)"""),
@@ -130,8 +137,8 @@ def run_case(setup: str, threads: int, cache_dir: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2, help="Numba threads for the call (default 2)")
-    parser.add_argument("--only", default="", help="op groups to run, comma-separated: norm, set_rows, rope, "
-                                                   "attention, quantized (default: all)")
+    parser.add_argument("--only", default="", help="op groups to run, comma-separated: startup, norm, set_rows, "
+                                                   "rope, attention, quantized (default: all)")
     args = parser.parse_args()
     groups = {g for g in args.only.split(",") if g}
     print(f"| first call ({args.threads} threads) | cold wall s | cold CPU s | kernels compiled (s) | warm wall s |")
