@@ -112,8 +112,9 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
             _mask_terms(sc, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb)
         # quantized K: the rows some head scores, widened once for the whole group (float K: read in place)
         kf, kbase, krs, kcs = block_rows(k_rows, DK, jb, sc, n, not terms, NEG_INF, rows, widened)
-        # 2. scores, the group's heads in register blocks against pairs of K rows
-        g = 0
+        # 2. scores, the group's heads in register blocks against pairs of K rows (g not a literal 0: _score,
+        # compiled once, would compile again for it)
+        g = np.int64(0)
         while g < G:
             width = 4 if G - g >= 4 else 1
             n_live = _live_rows(sc, g, width, n, not terms, NEG_INF, rows)
@@ -159,7 +160,7 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
         # quantized V: the rows some head weighs, widened once for the whole group
         vf, vbase, vrs, vcs = block_rows(v_rows, DV, jb, sc, n, mf is None, np.float32(0.0), rows, widened)
         # 4. A += p v, same head blocks, V rows by fours then pairs
-        g = 0
+        g = np.int64(0)
         while g < G:
             width = 4 if G - g >= 4 else 1
             n_live = _live_rows(sc, g, width, n, mf is None, np.float32(0.0), rows)

@@ -173,7 +173,8 @@ def decode_fast(unit, q, k, v, out, slopes, sinks, scale, auto_splittable, min_n
             or out.shape != (B, 1, Hq, DV) or slopes.shape[0] != Hq or sinks.shape[0] != Hq
             or not abs(scale) <= FLOAT32_MAX):
         return False
-    if auto_splittable and splits_decode(B, Nq, Hkv, Nkv, True, n_threads, min_nkv, min_units_per_thread):
+    # same_storage: the variable (True here), not a literal True, which would compile splits_decode once more
+    if auto_splittable and splits_decode(B, Nq, Hkv, Nkv, auto_splittable, n_threads, min_nkv, min_units_per_thread):
         return False
     mq, mk, mv, mo = meta(q), meta(k), meta(v), meta(out)
     if not (aligned(mq) and aligned(mk) and aligned(mv) and aligned(mo) and unit_rows(meta(slopes))

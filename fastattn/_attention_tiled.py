@@ -100,8 +100,8 @@ def _classify_mask_blocks(mask, n_q, blocks):
                     j0 = kv_tile * KV_TILE
                     nk = min(KV_TILE, n_kv - j0)
                     lo = nk
-                    hi = 0
-                    nonzero = 0
+                    hi = np.int64(0)  # not literals: a literal argument compiles _scan_mask_row once more
+                    nonzero = np.int64(0)
                     for ii in range(nq):
                         seg = plane[i0 + ii][j0:j0 + nk]
                         if seg.strides[0] == seg.itemsize:

@@ -79,7 +79,7 @@ def _rotate_step(x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place
 def _cache_write_step(x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layout):
     """rope_set_rows: x (1, N, H, D) K rows, out (R, H, D) the cache; token n goes to out[idx[n]] when keep[n]."""
     if keep[n]:
-        rope_block(x[0, n], out[idx[n]], cache_row, n_pairs, interleaved, False, layout, 0)
+        rope_block(x[0, n], out[idx[n]], cache_row, n_pairs, interleaved, np.bool_(False), layout, np.int64(0))
 
 
 def _step(x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layout):

@@ -25,7 +25,7 @@ TOKENS_PER_TASK = 8
 @numba.njit(**dict(_EXACT, inline="always"))
 def _token(x, data, idx, keep, cs, n_pairs, interleaved, layout, code, n, scratch):
     if keep[n]:
-        rope_block(x[n], scratch, cs[n], n_pairs, interleaved, False, layout, 0)
+        rope_block(x[n], scratch, cs[n], n_pairs, interleaved, np.bool_(False), layout, np.int64(0))
         row = data[idx[n]]
         for h in range(x.shape[1]):
             quantize_row(scratch[h], row[h], code)

@@ -193,12 +193,12 @@ def _rotate_rest(src, dst, cos, sin, done, n_pairs, interleaved, in_place):
     the dims past the rotated span."""
     if done < n_pairs:
         rest = n_pairs - done
-        if interleaved:
+        if interleaved:  # passed on as the variable (True here): a literal True would compile the callee again
             if in_place:
-                _rotate_in_place(dst[2 * done:2 * n_pairs], cos[done:], sin[done:], rest, True)
+                _rotate_in_place(dst[2 * done:2 * n_pairs], cos[done:], sin[done:], rest, interleaved)
             else:
                 _rotate_into(src[2 * done:2 * n_pairs], dst[2 * done:2 * n_pairs], cos[done:], sin[done:], rest,
-                             True)
+                             interleaved)
         else:
             for p in range(rest):  # the two halves of a split row are n_pairs apart: a few scalar pairs
                 a = to_f32(src[done + p])

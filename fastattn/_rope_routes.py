@@ -72,7 +72,8 @@ def _rotate_tokens(x, out, cs, n_pairs, interleaved, max_bytes):
     if not (unit_rows(mx) and unit_rows(mo)) or (overlaps(mo, mx) and not in_place) or overlaps(mo, meta(cs)):
         return False
     for i in range(n):
-        rope_block(x[i], out[i], assume_contiguous(cs[i]), n_pairs, interleaved, in_place, ROWS_UNIT, 0)
+        rope_block(x[i], out[i], assume_contiguous(cs[i]), n_pairs, interleaved, in_place, np.int64(ROWS_UNIT),
+                   np.int64(0))
     return True
 
 
@@ -94,8 +95,8 @@ def _write_tokens(x, dst, idx, cs, n_pairs, interleaved, max_bytes):
         if idx[i] < 0 or idx[i] >= n_rows:
             return False
     for i in range(n):
-        rope_block(x[i], _cache_row(dst, idx[i], h, d), assume_contiguous(cs[i]), n_pairs, interleaved, False,
-                   ROWS_UNIT, 0)
+        rope_block(x[i], _cache_row(dst, idx[i], h, d), assume_contiguous(cs[i]), n_pairs, interleaved,
+                   np.bool_(False), np.int64(ROWS_UNIT), np.int64(0))
     return True
 
 
