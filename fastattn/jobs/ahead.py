@@ -83,7 +83,8 @@ def first_calls(op: str, indices: list[int], thread_counts: list[int], config) -
 
 
 class Ahead:
-    """The phase, started before the job builds its own cases (``start``) and waited for after (``wait``)."""
+    """The phase: its workers started before the job builds its own cases, the cases handed out once built
+    (``submit``), their first calls waited for after (``wait``)."""
 
     def __init__(self, thread_counts: list[int], config, workers: int) -> None:
         context = multiprocessing.get_context("spawn")
@@ -102,12 +103,12 @@ class Ahead:
                          for op, indices in tasks(cases)]
 
     def close(self) -> None:
-        """Stop early: cancel the groups not started, wait for the workers."""
+        """Stop early: cancel the tasks not started, wait for the workers."""
         self.pool.shutdown(cancel_futures=True)
 
     def wait(self, total: int, progress: Progress | None) -> dict[tuple[str, int, int], FirstCall]:
         """The first calls by (op group, index, thread count), as workers report them (``total`` cases). A
-        group whose worker fails keeps the cases it did not report: the job runs them itself and reports any
+        task whose worker fails keeps the cases it did not report: the job runs them itself and reports any
         error."""
         results: dict[tuple[str, int, int], FirstCall] = {}
         k = 0
