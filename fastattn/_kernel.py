@@ -29,6 +29,7 @@ from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, overload
 
 from . import _notices  # noqa: F401  (installs the compile notices: one stderr line per first-use compile)
+from . import _validate
 from ._simd import prefetch_line
 
 FASTMATH = frozenset({"contract", "arcp", "reassoc", "nsz", "afn"})
@@ -61,19 +62,10 @@ def kernel(fn=None, *, parallel: bool = False, inline: bool = False, exact: bool
 
 # ---------------------------------------------------------------------------------------------------------------
 # Python side: how an array of a given dtype is handed to a kernel.
-try:  # bfloat16 is optional
-    import ml_dtypes
-
-    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - exercised only without ml_dtypes
-    BFLOAT16 = None
-
 FLOAT32 = np.dtype(np.float32)
 FLOAT16 = np.dtype(np.float16)
-#: dtype -> the integer dtype a kernel sees instead (float32 and other Numba-typable dtypes: absent)
-_HALF_VIEW = {FLOAT16: np.dtype(np.uint16)}
-if BFLOAT16 is not None:
-    _HALF_VIEW[BFLOAT16] = np.dtype(np.int16)
+#: dtype -> the integer dtype a kernel sees instead (bfloat16 joins it at its first sight: ``_validate``)
+_HALF_VIEW = _validate.HALF_VIEW
 
 
 def kernel_view(a: np.ndarray) -> np.ndarray:

@@ -34,10 +34,12 @@ def as_array(name: str, t) -> np.ndarray:
         raise TypeError(f"{name} is a lazily conjugated or negated torch view; pass {name}.resolve_conj()"
                         f".resolve_neg()")
     if t.dtype == torch.bfloat16:
-        if _validate.BFLOAT16 is None:
+        try:
+            import ml_dtypes  # noqa: F401  (imported here only: it takes over a second; see _validate)
+        except ImportError:
             raise TypeError(f"{name} is a bfloat16 torch tensor; reading it needs ml_dtypes "
-                            f"(pip install 'fastattn[bf16]')")
-        return t.view(torch.int16).numpy().view(_validate.BFLOAT16)
+                            f"(pip install 'fastattn[bf16]')") from None
+        return t.view(torch.int16).numpy().view(_validate.bfloat16())
     try:
         return t.numpy()
     except (TypeError, RuntimeError) as error:

@@ -7,29 +7,57 @@ so a rejected call leaves its outputs untouched.
 from __future__ import annotations
 
 import math
+import sys
+import threading
 from typing import Iterable
 
 import numpy as np
-
-try:
-    import ml_dtypes as _ml_dtypes
-
-    BFLOAT16: np.dtype | None = np.dtype(_ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - only without ml_dtypes
-    BFLOAT16 = None
 
 FLOAT32 = np.dtype(np.float32)
 FLOAT16 = np.dtype(np.float16)
 FLOAT64 = np.dtype(np.float64)
 #: The largest finite float32: scalars the kernels use in float32 must stay within it.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
-#: float32, float16 and (when ml_dtypes is installed) bfloat16.
-STORAGE_FLOATS: tuple[np.dtype, ...] = (FLOAT32, FLOAT16) + ((BFLOAT16,) if BFLOAT16 is not None else ())
+#: float32, float16, and bfloat16 from its first sight on (``admit_bfloat16``). fastattn does not import ml_dtypes,
+#: whose import takes over a second (most of ``import fastattn`` else): no bfloat16 array exists before something
+#: has imported it, so the check that misses one admits it then. One list, read by every check, so they all see it.
+STORAGE_FLOATS: list[np.dtype] = [FLOAT32, FLOAT16]
+#: STORAGE_FLOATS as a set, for the parsers' one-probe checks.
+STORAGE_FLOAT_SET: set[np.dtype] = set(STORAGE_FLOATS)
+#: dtype -> the integer dtype a kernel sees instead (``_kernel.kernel_view``): float16 as uint16 bits, bfloat16
+#: (once admitted) as int16 bits; float32 and other Numba-typable dtypes are absent.
+HALF_VIEW: dict[np.dtype, np.dtype] = {FLOAT16: np.dtype(np.uint16)}
+_admit_lock = threading.Lock()
+
+
+def bfloat16() -> np.dtype | None:
+    """ml_dtypes' bfloat16 once something has imported ml_dtypes, else None (fastattn never imports it)."""
+    module = sys.modules.get("ml_dtypes")
+    return None if module is None else np.dtype(module.bfloat16)
+
+
+def admit_bfloat16(dtype) -> bool:
+    """Whether ``dtype`` is bfloat16; at its first sight it joins STORAGE_FLOATS, STORAGE_FLOAT_SET and HALF_VIEW.
+    For checks that found ``dtype`` missing from STORAGE_FLOATS."""
+    bf16 = bfloat16()
+    if bf16 is None or dtype != bf16:
+        return False
+    with _admit_lock:
+        if bf16 not in STORAGE_FLOAT_SET:
+            HALF_VIEW[bf16] = np.dtype(np.int16)
+            STORAGE_FLOAT_SET.add(bf16)
+            STORAGE_FLOATS.append(bf16)
+    return True
+
+
 INDEX_INTS = (np.dtype(np.int32), np.dtype(np.int64))
 
 
 def _names(dtypes: Iterable[np.dtype]) -> str:
-    return " or ".join(str(np.dtype(d)) for d in dtypes)
+    names = [str(np.dtype(d)) for d in dtypes]
+    if dtypes is STORAGE_FLOATS and "bfloat16" not in names:
+        names.append("bfloat16")  # accepted too: admitted at its first sight
+    return " or ".join(names)
 
 
 def array(name: str, a, *, dtypes: Iterable[np.dtype], ndim: int | None = None, min_ndim: int | None = None
@@ -37,11 +65,11 @@ def array(name: str, a, *, dtypes: Iterable[np.dtype], ndim: int | None = None, 
     """``a`` must be an ndarray of one of ``dtypes`` with ``ndim`` (or at least ``min_ndim``) axes."""
     # ``dtype in dtypes`` compares with ==, which takes dtype-likes (np.float32) as well as np.dtype objects: no
     # conversion up front, as every op runs several of these checks on each call
-    if not isinstance(dtypes, tuple):
+    if not isinstance(dtypes, (tuple, list)):
         dtypes = tuple(dtypes)
     if not isinstance(a, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray of {_names(dtypes)}, got {type(a).__name__}")
-    if a.dtype not in dtypes:
+    if a.dtype not in dtypes and not (dtypes is STORAGE_FLOATS and admit_bfloat16(a.dtype)):
         raise TypeError(f"{name} must have dtype {_names(dtypes)}, got {a.dtype}")
     if ndim is not None and a.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} axes, got shape {a.shape}")

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._validate import BFLOAT16 as _BFLOAT16
+from ._validate import bfloat16 as _bfloat16
 from ._validate import FLOAT16 as _FLOAT16
 from ._validate import FLOAT32 as _FLOAT32
 
@@ -83,10 +83,14 @@ def _floor(floor: float) -> float:
     return floor
 
 
+def _is_bfloat16(dtype: np.dtype) -> bool:
+    bf16 = _bfloat16()  # None without ml_dtypes (and np.dtype compares equal to None: float64 is the default)
+    return bf16 is not None and dtype == bf16
+
+
 def _half_dtype(name: str, a: np.ndarray) -> np.dtype:
-    halves = (_FLOAT16,) + ((_BFLOAT16,) if _BFLOAT16 is not None else ())
-    if a.dtype not in halves:
-        raise TypeError(f"{name} must have dtype {' or '.join(map(str, halves))}, got {a.dtype}")
+    if a.dtype != _FLOAT16 and not _is_bfloat16(a.dtype):
+        raise TypeError(f"{name} must have dtype float16 or bfloat16, got {a.dtype}")
     return a.dtype
 
 
@@ -124,7 +128,7 @@ def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         raise TypeError(f"a and b must be numpy.ndarray, got {type(a).__name__} and {type(b).__name__}")
     if a.dtype != b.dtype:
         raise TypeError(f"a and b must have the same dtype, got {a.dtype} and {b.dtype}")
-    if a.dtype == _FLOAT16 or (_BFLOAT16 is not None and a.dtype == _BFLOAT16):
+    if a.dtype == _FLOAT16 or _is_bfloat16(a.dtype):
         bits, sign = np.uint16, 0x8000
     elif a.dtype == _FLOAT32:
         bits, sign = np.uint32, 0x80000000
@@ -196,7 +200,7 @@ def _rounded(reference64: ArrayLike, dtype: np.dtype) -> np.ndarray:
     """The reference rounded to ``dtype`` (bfloat16 through float32, as the kernels narrow from float32)."""
     ref = _as_float64("reference64", reference64)
     with np.errstate(over="ignore"):  # beyond the format's range: +-inf, the correctly rounded value
-        return ref.astype(np.float32 if dtype == _BFLOAT16 else np.float64).astype(dtype)
+        return ref.astype(np.float32 if _is_bfloat16(dtype) else np.float64).astype(dtype)
 
 
 def _ulps_and_nan(actual: np.ndarray, reference64: ArrayLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -19,7 +19,16 @@ from hypothesis import strategies as st
 
 from fastattn._modes import RopeMode
 from fastattn._rope_cache import RECURRENCE_MAX_POS
-from fastattn._validate import BFLOAT16, FLOAT16, FLOAT32, STORAGE_FLOATS
+from fastattn._validate import FLOAT16, FLOAT32
+
+try:  # fastattn takes bfloat16 from ml_dtypes once it is imported; the tests import it to draw bfloat16 arrays
+    import ml_dtypes
+
+    BFLOAT16: np.dtype | None = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - only without ml_dtypes
+    BFLOAT16 = None
+#: Every storage float the ops take (bfloat16 only with ml_dtypes).
+STORAGE_FLOATS = (FLOAT32, FLOAT16) + ((BFLOAT16,) if BFLOAT16 is not None else ())
 
 settings.register_profile(
     "ci", max_examples=20, derandomize=True, deadline=None, print_blob=True,

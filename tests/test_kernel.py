@@ -11,7 +11,8 @@ from numba import prange
 
 from fastattn._kernel import (FASTMATH, KERNEL_OPTIONS, call_any_layout, call_unit, check_unit, fast_exp, from_f32,
                               kernel, kernel_view, to_f32, unit_address)
-from fastattn._validate import BFLOAT16
+from fastattn import _validate
+from strategies import BFLOAT16
 
 ALL_BITS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
 
@@ -100,7 +101,38 @@ def test_kernel_view_maps_dtypes_to_kernel_types():
     assert kernel_view(np.zeros(3, np.float16)).dtype == np.uint16
     assert kernel_view(np.zeros(3, np.float32)).dtype == np.float32
     if BFLOAT16 is not None:
+        assert _validate.admit_bfloat16(BFLOAT16)  # what the argument checks do at its first sight
         assert kernel_view(np.zeros(3, BFLOAT16)).dtype == np.int16
+
+
+BFLOAT16_AFTER_IMPORT = """
+import sys
+import numpy as np
+import fastattn
+import fastattn.reference as reference
+assert "ml_dtypes" not in sys.modules, "import fastattn imported ml_dtypes"
+import ml_dtypes
+dst = np.zeros((8, 64), ml_dtypes.bfloat16)
+expected = dst.copy()
+src = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+reference.set_rows(expected, src, np.array([1, 5]))
+assert expected.any()
+for _ in range(2):  # the general path, then the route it made
+    fastattn.set_rows(dst, src, np.array([1, 5]))
+    assert np.array_equal(dst.view(np.int16), expected.view(np.int16))
+try:
+    fastattn.set_rows(dst.astype(np.float64), src, np.array([1, 5]))
+except TypeError as error:
+    assert "bfloat16" in str(error), error
+else:
+    raise AssertionError("float64 dst was taken")
+"""
+
+
+@pytest.mark.skipif(BFLOAT16 is None, reason="ml_dtypes not installed")
+def test_import_leaves_ml_dtypes_alone_and_bfloat16_works_once_imported():
+    """``import fastattn`` does not import ml_dtypes (over a second); a bfloat16 array made after it is taken."""
+    subprocess.run([sys.executable, "-c", BFLOAT16_AFTER_IMPORT], check=True)
 
 
 def test_fast_exp_relative_error_and_limits():

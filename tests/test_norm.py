@@ -12,7 +12,8 @@ import fastattn
 import fastattn.reference as ref
 from fastattn import _threads
 from fastattn._kernel import KERNEL_OPTIONS
-from fastattn._validate import FLOAT16, FLOAT32, STORAGE_FLOATS
+from fastattn._validate import FLOAT16, FLOAT32
+from strategies import STORAGE_FLOATS
 from fastattn.testing import assert_half_within_1ulp, assert_within_rule
 from strategies import dims, eps_values, fill, float_dtypes, seeds, strided, thread_counts
 

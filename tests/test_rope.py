@@ -23,7 +23,8 @@ import fastattn.reference.rope as ref_rope
 from fastattn import _rope_drivers, _rope_rotate, _threads
 from fastattn._args import rope as rope_args
 from fastattn._rope_cache import CACHE_BLOCK
-from fastattn._validate import BFLOAT16, FLOAT16, FLOAT32
+from fastattn._validate import FLOAT16, FLOAT32
+from strategies import BFLOAT16
 
 
 @contextlib.contextmanager

@@ -27,7 +27,8 @@ import fastattn
 from fastattn import _threads
 from fastattn.testing import forget_routes, general_only, parallel_min_bytes, routes
 from fastattn._rope_cache import CACHE_BLOCK
-from fastattn._validate import BFLOAT16, FLOAT16, FLOAT32, STORAGE_FLOATS
+from fastattn._validate import FLOAT16, FLOAT32
+from strategies import BFLOAT16, STORAGE_FLOATS
 
 INT32, INT64 = np.dtype(np.int32), np.dtype(np.int64)
 NEOX = fastattn.ROPE_NEOX

@@ -12,7 +12,8 @@ import fastattn
 import fastattn.reference as ref
 from fastattn import _threads
 from fastattn._kernel import KERNEL_OPTIONS
-from fastattn._validate import FLOAT16, FLOAT32, INDEX_INTS, STORAGE_FLOATS
+from fastattn._validate import FLOAT16, FLOAT32, INDEX_INTS
+from strategies import STORAGE_FLOATS
 from strategies import dims, fill, float_dtypes, index_sets, seeds, strided, thread_counts
 
 

@@ -101,7 +101,7 @@ def _kv_array(name: str, a) -> None:
             raise ValueError(f"{name} must have 4 axes (Bk, Hkv, Nkv, D), got the Quantized shape {a.shape}")
         return
     if not isinstance(a, np.ndarray):
-        raise TypeError(f"{name} must be a numpy.ndarray of {' or '.join(map(str, v.STORAGE_FLOATS))} or a "
+        raise TypeError(f"{name} must be a numpy.ndarray of {v._names(v.STORAGE_FLOATS)} or a "
                         f"fastattn.Quantized, got {type(a).__name__}")
     v.array(name, a, dtypes=v.STORAGE_FLOATS, ndim=4)
 

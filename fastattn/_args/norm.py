@@ -11,7 +11,7 @@ import numpy as np
 from .. import _validate
 from .._validate import FLOAT64, STORAGE_FLOATS
 
-_FLOATS = frozenset(STORAGE_FLOATS)
+_FLOATS = _validate.STORAGE_FLOAT_SET  # bfloat16 joins it at its first sight
 _MAX_FLOAT = float(np.finfo(np.float64).max)
 
 

@@ -16,7 +16,7 @@ from .. import _validate
 from .._quantized import Quantized
 from .._validate import INDEX_INTS, STORAGE_FLOATS
 
-_FLOATS = frozenset(STORAGE_FLOATS)
+_FLOATS = _validate.STORAGE_FLOAT_SET  # bfloat16 joins it at its first sight
 _INTS = frozenset(INDEX_INTS)
 
 

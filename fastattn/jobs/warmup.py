@@ -9,6 +9,7 @@ them. Progress goes to stderr, one line per finished unit, then the total time.
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import multiprocessing
 import sys
 import time
@@ -21,7 +22,7 @@ from .warmup_calls import GROUPS, QUANTIZED, dtype_of
 
 #: The dtypes warmed when ``--dtypes`` is not given (bfloat16 only with ml_dtypes installed): the float dtypes
 #: and llama.cpp's usual quantized KV cache, Q8_0 (Q4_0 on request).
-DEFAULT_DTYPES = tuple(str(d) for d in _validate.STORAGE_FLOATS) + ("q8_0",)
+DEFAULT_DTYPES = ("float32", "float16") + (("bfloat16",) if importlib.util.find_spec("ml_dtypes") else ()) + ("q8_0",)
 #: Unit groups with nothing to compile for a quantized type (the norms take no quantized input).
 _FLOAT_ONLY = ("norm",)
 
