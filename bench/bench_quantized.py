@@ -10,6 +10,8 @@
   interleaved; the target is Q8_0 within 1.2x of float16.
 - ``test_rope_set_rows_q8_0_paired``: 512 K rows rotated and quantized into a Q8_0 (4096, 8 x 128) cache, fused
   (``rope_set_rows``) against ``rope_ext`` then ``set_rows``, interleaved; the target is fused >= 1.3x faster.
+- ``test_decode_writes_paired``: one decode step's K and V writes (``apply_rope_cache_set_rows``, ``set_rows``)
+  into float16, Q8_0 and Q4_0 caches, interleaved; ``extra_info``: microseconds per step of each.
 
 Run: ``python -m pytest bench/bench_quantized.py --benchmark-columns=median,rounds --benchmark-group-by=group``
 (2 threads is the targets' setting; 1 thread is shown beside it).
@@ -135,3 +137,38 @@ def test_rope_set_rows_q8_0_paired(benchmark, threads):
     for name, seconds in medians.items():
         benchmark.extra_info[f"{name}_us"] = round(seconds * 1e6, 1)
     benchmark.extra_info["unfused/fused"] = round(medians["rope_ext + set_rows"] / medians["fused"], 3)
+
+
+#: Decode steps per timed call of ``test_decode_writes_paired`` (one step takes microseconds).
+STEPS = 200
+
+
+def test_decode_writes_paired(benchmark):
+    """One decode step's cache writes, K by ``apply_rope_cache_set_rows`` (one token, its table prebuilt) and V by
+    ``set_rows`` (one row), into float16, Q8_0 and Q4_0 caches of (4096, 8 x 128), interleaved: decode-sized
+    calls, serial at any thread count."""
+    rows = LAYER.kv_cache_rows
+    rng = np.random.default_rng(4)
+    k = rng.standard_normal((1, HKV, D)).astype(np.float32)
+    v = rng.standard_normal((1, HKV * D)).astype(np.float32)
+    idx = np.array([rows // 2])
+    table = fastattn.rope_cache(np.array([rows // 2], np.int32), n_dims=D, mode=fastattn.ROPE_NEOX,
+                                freq_base=500000.0)
+    caches = {"float16": (np.zeros((rows, HKV, D), np.float16), np.zeros((rows, HKV * D), np.float16))}
+    for kind in KINDS[1:]:
+        caches[kind] = (fastattn.quantize(np.zeros((rows, HKV, D), np.float32), kind),
+                        fastattn.quantize(np.zeros((rows, HKV * D), np.float32), kind))
+
+    def steps(kind):
+        k_cache, v_cache = caches[kind]
+        for _ in range(STEPS):
+            fastattn.apply_rope_cache_set_rows(k_cache, k, table, idx)
+            fastattn.set_rows(v_cache, v, idx)
+
+    calls = {kind: (lambda kind=kind: steps(kind)) for kind in KINDS}
+    medians = _interleaved(benchmark, calls, 30, f"decode K and V writes, 1 token x {HKV} x {D}, f16 / q8_0 / q4_0",
+                           1, 0.0)
+    if benchmark.stats is None:
+        return
+    for kind, seconds in medians.items():
+        benchmark.extra_info[f"{kind}_us_per_step"] = round(seconds / STEPS * 1e6, 2)

@@ -4,6 +4,8 @@
   serially on the calling thread.
 - ``rope.fused``: a prefill-sized call at int32 positions of one stream (``rope_ext`` on 3-D x), cos/sin made in
   the same pass on ``n_threads`` threads (``_rope_drivers.drive_fused``).
+- ``rope.cached_quantized``: ``rope.cached``'s set-rows variant into a ``Quantized`` cache (its bytes): each
+  token rotated into a scratch, its head rows quantized into the cache row.
 - ``rope.cached_prefill``: a prefill-sized ``apply_rope_cache`` on 3-D x, on threads (``drive_parallel``): right
   after a kernel that streamed megabytes the general path's Python alone cost a fifth of such a call.
 
@@ -28,9 +30,11 @@ from ._rope_cache import CACHE_BLOCK
 from ._rope_drivers import CACHED_UNIT, FUSED_UNIT, drive_fused, drive_parallel
 from ._rope_rotate import _EXACT, _INLINE, ROWS_UNIT, rope_block, token_layout_of
 from ._validate import FLOAT32
+from .quant import blocks_fill, quantize_row
 
 _F32_TABLE = array_type(FLOAT32, 2)
 _INT64 = np.dtype(np.int64)
+_UINT8 = np.dtype(np.uint8)
 _FLOAT64 = np.dtype(np.float64)
 
 
@@ -131,6 +135,55 @@ def cached_entry(x, out, idx, cs, pairing, max_bytes):
 PAIRING_TYPE = types.Tuple((types.int64, types.boolean, types.int64, types.boolean))
 CACHED = Route("rope.cached", cached_entry, lambda x_dtype, out_dtype, out_ndim, idx_dtype: _out_types(
     x_dtype, out_dtype, out_ndim, idx_dtype) + (_F32_TABLE, PAIRING_TYPE, types.int64))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rope.cached_quantized
+@numba.njit(**_EXACT)
+def cached_quantized_entry(x, data, idx, cs, pairing, code, max_bytes):
+    """``apply_rope_cache_set_rows`` into a quantized cache of type ``code`` whose bytes are ``data`` (R, H·row
+    bytes) or (R, H, row bytes): token i rotated by the table cs into a float32 scratch (H, D), then each head row
+    quantized into row idx[i] (as ``_rope_quantized`` does), in order (the last of duplicate indices wins).
+    Returns False, having written nothing, unless x fits the table, D values fill a head row's bytes, fewer than
+    ``max_bytes`` move, x and data have aligned unit-stride rows, idx is aligned, data overlaps none of x, idx
+    and cs, and every index is in range."""
+    n_pairs, interleaved, min_head_dim, exact_head_dim = pairing
+    n, h, d = x.shape
+    n_rows = data.shape[0]
+    last = data.shape[data.ndim - 1]
+    if data.ndim == 2:
+        if h == 0 or last % h != 0:
+            return False
+        row_bytes = last // h
+    else:
+        if data.shape[1] != h:
+            return False
+        row_bytes = last
+    if (not _fits_table(n, d, cs, min_head_dim, exact_head_dim) or idx.shape[0] != n
+            or not blocks_fill(d, row_bytes, code) or x.size * (x.itemsize + 1) >= max_bytes):
+        return False
+    md, mx, mi = meta(data), meta(x), meta(idx)
+    if (not (unit_rows(md) and unit_rows(mx) and aligned(mi)) or overlaps(md, mx) or overlaps(md, mi)
+            or overlaps(md, meta(cs))):
+        return False
+    for i in range(n):
+        if idx[i] < 0 or idx[i] >= n_rows:
+            return False
+    scratch = np.empty((h, d), np.float32)
+    for i in range(n):
+        rope_block(x[i], scratch, assume_contiguous(cs[i]), n_pairs, interleaved, np.bool_(False),
+                   np.int64(ROWS_UNIT), np.int64(0))
+        row = _cache_row(data, idx[i], h, row_bytes)
+        for g in range(h):
+            quantize_row(scratch[g], row[g], code)
+    return True
+
+
+#: Decode-sized ``apply_rope_cache_set_rows`` into a quantized cache, keyed on (x dtype, the cache's number of
+#: axes, idx dtype).
+CACHED_QUANTIZED = Route("rope.cached_quantized", cached_quantized_entry, lambda x_dtype, data_ndim, idx_dtype: (
+    array_type(x_dtype, 3), array_type(_UINT8, data_ndim), array_type(idx_dtype, 1), _F32_TABLE, PAIRING_TYPE,
+    types.int64, types.int64))
 
 
 # ---------------------------------------------------------------------------------------------------------------

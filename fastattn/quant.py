@@ -329,6 +329,15 @@ def _blocks_of_contiguous_row(x, out, code):
             _q4_0_block_vector(x, blk * BLOCK, out, blk * 18)
 
 
+@kernel(exact=True)
+def blocks_fill(n_values, n_bytes, code):
+    """``n_values`` values quantized as type ``code`` fill exactly ``n_bytes`` (whole blocks; False for an
+    unknown code). For entry kernels that check a row before ``quantize_row``."""
+    if code != Q8_0 and code != Q4_0:
+        return False
+    return n_values % BLOCK == 0 and n_bytes == n_values // BLOCK * (Q8_0_BYTES if code == Q8_0 else Q4_0_BYTES)
+
+
 @kernel(inline=True, exact=True)
 def quantize_row(x, out, code):
     """One row of values (a multiple of 32) into its blocks of type ``code`` (Q8_0 or Q4_0); a unit-stride row

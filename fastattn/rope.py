@@ -38,7 +38,7 @@ from ._rope_cache import CACHE_BLOCK, build_cs
 from ._rope_drivers import CACHED_UNIT, FUSED_UNIT, drive_fused, drive_parallel, drive_serial
 from ._rope_quantized import rope_quantize_parallel, rope_quantize_serial
 from ._rope_rotate import token_layout
-from ._rope_routes import CACHED, CACHED_PREFILL, FUSED
+from ._rope_routes import CACHED, CACHED_PREFILL, CACHED_QUANTIZED, FUSED
 from ._validate import STORAGE_FLOATS
 
 __all__ = ["RopeCache", "rope_cache", "apply_rope_cache", "rope_ext", "rope_set_rows", "apply_rope_cache_set_rows"]
@@ -46,6 +46,7 @@ __all__ = ["RopeCache", "rope_cache", "apply_rope_cache", "rope_ext", "rope_set_
 _ND = np.ndarray
 _INT32 = np.dtype(np.int32)
 _INT64 = np.dtype(np.int64)
+_UINT8 = np.dtype(np.uint8)
 
 
 @dataclass(frozen=True, eq=False)
@@ -186,11 +187,16 @@ def _write_quantized(dst: Quantized, data3: np.ndarray, x: np.ndarray, idx: np.n
     """Rotate x's rows (N, H, D) and quantize them into rows idx of a quantized cache (``_rope_quantized``);
     ``data3`` its bytes as (R, H, bytes per head row)."""
     n_tokens = x.shape[0]
-    xk = kernel_view(x)
-    layout = token_layout(xk, np.empty((1, x.shape[1], x.shape[2]), np.float32))  # into a C scratch
     nbytes = x.nbytes + x.size
     n_threads = _threads.threads_for(nbytes) if n_tokens > 1 else 1
-    args = (cs, params.pairing[0], params.pairing[1], layout, QTYPE_CODES[dst.qtype])
+    code = QTYPE_CODES[dst.qtype]
+    if (n_threads == 1 and idx.ndim == 1 and nbytes < _threads.PARALLEL_MIN_BYTES
+            and CACHED_QUANTIZED.run((x.dtype, dst.ndim, idx.dtype), x, dst.data, idx, cs, params.pairing, code,
+                                     _threads.PARALLEL_MIN_BYTES)):
+        return
+    xk = kernel_view(x)
+    layout = token_layout(xk, np.empty((1, x.shape[1], x.shape[2]), np.float32))  # into a C scratch
+    args = (cs, params.pairing[0], params.pairing[1], layout, code)
     if n_threads == 1:
         call_any_layout(rope_quantize_serial, (0, 1, 2), xk, data3, idx, np.ones(n_tokens, np.bool_), *args)
         return
@@ -372,11 +378,20 @@ def apply_rope_cache_set_rows(dst: np.ndarray, x: np.ndarray, cache: RopeCache, 
     ``Quantized``). Returns ``dst``."""
     if cache.__class__ is not RopeCache:
         raise _args.cache_error(cache, "fastattn.rope_cache")
-    if (x.__class__ is _ND and dst.__class__ is _ND and idx.__class__ is _ND and x.ndim == 3 and idx.ndim == 1
-            and dst.flags.writeable and (dst.ndim == 2 or dst.ndim == 3)):
-        entry = CACHED.get((x.dtype, dst.dtype, dst.ndim, idx.dtype))  # the route (see _dispatch)
-        if entry is not None and entry(x, dst, idx, cache.cs, cache.pairing, _threads.PARALLEL_MIN_BYTES):
-            return dst
+    if x.__class__ is _ND and idx.__class__ is _ND and x.ndim == 3 and idx.ndim == 1:  # the routes (see _dispatch)
+        if dst.__class__ is _ND:
+            if dst.flags.writeable and (dst.ndim == 2 or dst.ndim == 3):
+                entry = CACHED.get((x.dtype, dst.dtype, dst.ndim, idx.dtype))
+                if entry is not None and entry(x, dst, idx, cache.cs, cache.pairing, _threads.PARALLEL_MIN_BYTES):
+                    return dst
+        elif dst.__class__ is Quantized:
+            data, code = dst.data, QTYPE_CODES.get(dst.qtype)  # both checked again: the attributes can be reassigned
+            if (data.__class__ is _ND and data.dtype is _UINT8 and (data.ndim == 2 or data.ndim == 3)
+                    and data.flags.writeable):
+                entry = CACHED_QUANTIZED.get((x.dtype, data.ndim, idx.dtype))
+                if entry is not None and code is not None and entry(x, data, idx, cache.cs, cache.pairing, code,
+                                                                    _threads.PARALLEL_MIN_BYTES):
+                    return dst
     dst3, idx = _args.parse_set_rows(dst, x, idx, cache.params, dst_dtypes=STORAGE_FLOATS,
                                      reads=(("cache", cache.cs),))
     if x.shape[0] != cache.n_tokens:

@@ -16,7 +16,8 @@ fractional part of ``row * golden ratio`` spreads any arithmetic progression of 
 one, ...) evenly over the workers. Each worker scans all ``n`` indices, which is cheap next to the row copies.
 
 Decode-sized calls (2-D ``dst``, 1-D ``idx``) take the route ``set_rows.rows`` (``_dispatch``): ``_set_rows_fast``'s
-entry point, with the checks in the kernel; it declines a bad index, which the general path then reports.
+entry point, with the checks in the kernel; it declines a bad index, which the general path then reports. Into a
+2-D ``Quantized`` dst they take ``set_rows.quantized`` (``_set_quantized_fast``, on its bytes) the same way.
 """
 from __future__ import annotations
 
@@ -28,9 +29,11 @@ from ._args import rows as _args
 from ._dispatch import Route, aligned, array_type, meta, overlaps, unit_rows
 from ._kernel import assume_contiguous, from_f32, kernel, kernel_view, to_f32
 from ._quantized import QTYPE_CODES, Quantized
-from .quant import quantize_row
+from .quant import blocks_fill, quantize_row
 
 _ND = np.ndarray
+_UINT8 = np.dtype(np.uint8)
+_CODES = QTYPE_CODES
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio
 
@@ -135,10 +138,43 @@ def _set_quantized_parallel(data, src, idx, code, n_workers):
     return -1
 
 
+@kernel(exact=True)
+def _set_quantized_fast(data, src, idx, code, max_bytes):
+    """The entry kernel of route ``set_rows.quantized`` (``_dispatch``): data (R, row bytes) the blocks of a
+    quantized dst of type ``code``, src (n, D), idx (n,). Returns False, having written nothing, unless D values
+    fill a data row, the shapes match, fewer than ``max_bytes`` move, data and src have aligned unit-stride rows,
+    idx is aligned, data overlaps neither src nor idx and every index is in [0, R). Rows in order: the last of
+    duplicate indices wins."""
+    n, d = src.shape
+    n_rows = data.shape[0]
+    if idx.shape[0] != n or not blocks_fill(d, data.shape[1], code) or n * d * (src.itemsize + 1) >= max_bytes:
+        return False
+    md, ms, mi = meta(data), meta(src), meta(idx)
+    if not (unit_rows(md) and unit_rows(ms) and aligned(mi)) or overlaps(md, ms) or overlaps(md, mi):
+        return False
+    for i in range(n):
+        if idx[i] < 0 or idx[i] >= n_rows:
+            return False
+    for i in range(n):
+        quantize_row(assume_contiguous(src[i]), data[idx[i]], code)
+    return True
+
+
+def _quantized_route_types(src_dtype, idx_dtype) -> tuple:
+    return array_type(_UINT8, 2), array_type(src_dtype, 2), array_type(idx_dtype, 1), types.int64, types.int64
+
+
+#: Decode-sized calls into a quantized dst of 2 axes (its bytes (R, row bytes)), keyed on (src, idx) dtypes.
+_quantized_route = Route("set_rows.quantized", _set_quantized_fast, _quantized_route_types)
+
+
 def _set_rows_quantized(dst: Quantized, src: np.ndarray, idx: np.ndarray) -> Quantized:
     n_rows = dst.shape[-2]
     n_workers = _threads.threads_for(src.size * (src.itemsize + 1))
     code = QTYPE_CODES[dst.qtype]
+    if (dst.ndim == 2 and idx.ndim == 1 and n_workers == 1
+            and _quantized_route.run((src.dtype, idx.dtype), dst.data, src, idx, code, _threads.PARALLEL_MIN_BYTES)):
+        return dst
     blocks = _layout.merge_leading([dst.data, kernel_view(src)], [idx[(None,) * (src.ndim - 1 - idx.ndim)]],
                                    src.ndim - 2)
     if len(blocks) > 1:  # checked up front: the per-block kernel checks would come after earlier blocks' writes
@@ -179,11 +215,19 @@ def set_rows(dst: np.ndarray, src: np.ndarray, idx: np.ndarray) -> np.ndarray:
     An index outside [0, R) raises ``ValueError`` and nothing is written. Nothing of ``dst`` but the indexed
     rows changes.
     """
-    if (dst.__class__ is _ND and src.__class__ is _ND and idx.__class__ is _ND and dst.ndim == 2 and src.ndim == 2
-            and idx.ndim == 1 and dst.flags.writeable):  # the route (see _dispatch)
-        entry = _rows_route.get((dst.dtype, src.dtype, idx.dtype))
-        if entry is not None and entry(dst, src, idx, _threads.PARALLEL_MIN_BYTES):
-            return dst
+    if src.__class__ is _ND and idx.__class__ is _ND and src.ndim == 2 and idx.ndim == 1:  # the routes (_dispatch)
+        if dst.__class__ is _ND:
+            if dst.ndim == 2 and dst.flags.writeable:
+                entry = _rows_route.get((dst.dtype, src.dtype, idx.dtype))
+                if entry is not None and entry(dst, src, idx, _threads.PARALLEL_MIN_BYTES):
+                    return dst
+        elif dst.__class__ is Quantized:
+            data, code = dst.data, _CODES.get(dst.qtype)  # both checked again: the attributes can be reassigned
+            if data.__class__ is _ND and data.dtype is _UINT8 and data.ndim == 2 and data.flags.writeable:
+                entry = _quantized_route.get((src.dtype, idx.dtype))
+                if entry is not None and code is not None and entry(data, src, idx, code,
+                                                                    _threads.PARALLEL_MIN_BYTES):
+                    return dst
     dst, src, idx = _args.set_rows(dst, src, idx)
     if dst.__class__ is Quantized:
         return _set_rows_quantized(dst, src, idx)

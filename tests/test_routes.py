@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import StridedView, dims, positions, rope_configs, strided
+from strategies import ROPE_MODES, StridedView, dims, positions, rope_configs, seeds, strided
 
 import fastattn
 from fastattn import _threads
@@ -32,6 +32,8 @@ from strategies import BFLOAT16, STORAGE_FLOATS
 
 INT32, INT64 = np.dtype(np.int32), np.dtype(np.int64)
 NEOX = fastattn.ROPE_NEOX
+#: Bytes per 32-value block of each quantized type.
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
 
 
 @dataclass
@@ -100,6 +102,50 @@ def set_rows_rows(draw):
     idx = np.array(draw(st.lists(st.integers(0, n_rows - 1), min_size=n, max_size=n)),
                    draw(st.sampled_from((INT32, INT64))))  # duplicates: the last row wins
     return Case(lambda: fastattn.set_rows(dst.array, src.array, idx), [dst, src], unit_rows(dst.array, src.array))
+
+
+@st.composite
+def quantized_bytes(draw, shape):
+    """A ``StridedView`` of random bytes of ``shape`` as a ``Quantized`` holds them: the last axis contiguous, the
+    others padded and stepped inside a larger parent."""
+    lo = [draw(st.sampled_from((0, 1, 3))) for _ in shape]
+    hi = [draw(st.sampled_from((0, 2))) for _ in shape[:-1]] + [draw(st.sampled_from((1, 5)))]
+    step = [draw(st.sampled_from((1, 2))) for _ in shape[:-1]] + [1]
+    parent = np.random.default_rng(draw(seeds)).integers(0, 256, [s * k + a + b for s, k, a, b in zip(
+        shape, step, lo, hi)], dtype=np.uint8)
+    index = tuple(slice(a, a + s * k, k) for s, k, a in zip(shape, step, lo))
+    inside = np.zeros(parent.shape, bool)
+    inside[index] = True
+    return StridedView(parent[index], parent, inside, parent.copy())
+
+
+@st.composite
+def set_rows_quantized(draw):
+    qtype = draw(st.sampled_from(tuple(BLOCK_BYTES)))
+    n_rows, n, d = draw(st.integers(1, 6)), draw(st.integers(1, 4)), 32 * draw(st.integers(1, 4))
+    data = draw(quantized_bytes((n_rows, d // 32 * BLOCK_BYTES[qtype])))
+    src = draw(strided((n, d), draw(st.sampled_from(STORAGE_FLOATS))))
+    idx = np.array(draw(st.lists(st.integers(0, n_rows - 1), min_size=n, max_size=n)),
+                   draw(st.sampled_from((INT32, INT64))))  # duplicates: the last row wins
+    return Case(lambda: fastattn.set_rows(fastattn.Quantized(data.array, qtype), src.array, idx).data, [data, src],
+                unit_rows(src.array))
+
+
+@st.composite
+def rope_cached_quantized(draw):
+    """``apply_rope_cache_set_rows`` into a quantized cache (R, H·D) or (R, H, D): D a whole number of blocks."""
+    kwargs, d, streams = draw(rope_configs(mode=draw(st.sampled_from(ROPE_MODES[:-1]))))  # VISION: D = 2 n_dims
+    d = 32 * -(-d // 32)
+    n, h = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    cache = fastattn.rope_cache(positions(streams, n, rng, "large"), **kwargs)
+    qtype = draw(st.sampled_from(tuple(BLOCK_BYTES)))
+    x = draw(strided((n, h, d), draw(st.sampled_from((FLOAT32, FLOAT16)))))
+    n_rows, row_bytes = draw(st.integers(n, 6)), d // 32 * BLOCK_BYTES[qtype]
+    data = draw(quantized_bytes((n_rows, h * row_bytes) if draw(st.booleans()) else (n_rows, h, row_bytes)))
+    idx = rng.integers(0, n_rows, n).astype(draw(st.sampled_from((INT32, INT64))))
+    return Case(lambda: fastattn.apply_rope_cache_set_rows(fastattn.Quantized(data.array, qtype), x.array, cache,
+                                                           idx).data, [x, data], unit_rows(x.array))
 
 
 @st.composite
@@ -239,6 +285,46 @@ def _rope_cached_bad():
             lambda: fastattn.apply_rope_cache_set_rows(kv[:, :16], x, cache, np.array([0]))], [x, kv, buf]
 
 
+def _set_rows_quantized_bad():
+    data = np.zeros((8, 2 * 34), np.uint8)
+    dst = fastattn.Quantized(data, "q8_0")
+    src = np.ones((2, 64), np.float32)
+    fastattn.set_rows(dst, src, np.array([0, 1]))
+    fastattn.set_rows(dst, src.astype(np.float16), np.array([0, 1]))
+    read_only = fastattn.Quantized(data.copy(), "q8_0")
+    read_only.data.flags.writeable = False
+    inside = data.reshape(-1).view(np.float32)[:128].reshape(2, 64)  # src rows in the cache's own bytes
+    return [lambda: fastattn.set_rows(dst, src, np.array([0, 8])),
+            lambda: fastattn.set_rows(dst, src, np.array([-1, 0])),
+            lambda: fastattn.set_rows(dst, src[:, :32], np.array([0, 1])),
+            lambda: fastattn.set_rows(dst, src.astype(np.float64), np.array([0, 1])),
+            lambda: fastattn.set_rows(dst, src, np.array([0.0, 1.0])),
+            lambda: fastattn.set_rows(read_only, src, np.array([0, 1])),
+            lambda: fastattn.set_rows(fastattn.Quantized(data, "q4_0"), src, np.array([0, 1])),
+            lambda: fastattn.set_rows(dst, inside, np.array([6, 7]))], [data, src]
+
+
+def _rope_cached_quantized_bad():
+    x = np.ones((1, 2, 32), np.float32)
+    data = np.zeros((8, 2 * 34), np.uint8)
+    kv = fastattn.Quantized(data, "q8_0")
+    cache = fastattn.rope_cache(np.zeros(1, np.int32), n_dims=16, mode=NEOX)
+    fastattn.apply_rope_cache_set_rows(kv, x, cache, np.array([0]))
+    fastattn.apply_rope_cache_set_rows(fastattn.Quantized(data.reshape(8, 2, 34), "q8_0"), x, cache, np.array([1]))
+    two = fastattn.rope_cache(np.zeros(2, np.int32), n_dims=16, mode=NEOX)
+    wide = fastattn.rope_cache(np.zeros(1, np.int32), n_dims=64, mode=NEOX)
+    inside = data.reshape(-1).view(np.float32)[:64].reshape(1, 2, 32)  # x in the cache's own bytes
+    return [lambda: fastattn.apply_rope_cache_set_rows(kv, x, cache, np.array([8])),
+            lambda: fastattn.apply_rope_cache_set_rows(kv, x, cache, np.array([0, 1])),
+            lambda: fastattn.apply_rope_cache_set_rows(kv, x, two, np.array([0])),
+            lambda: fastattn.apply_rope_cache_set_rows(kv, x, wide, np.array([0])),
+            lambda: fastattn.apply_rope_cache_set_rows(kv, x[..., :16], cache, np.array([0])),
+            lambda: fastattn.apply_rope_cache_set_rows(kv, x.astype(np.float64), cache, np.array([0])),
+            lambda: fastattn.apply_rope_cache_set_rows(fastattn.Quantized(data[:, :34], "q8_0"), x, cache,
+                                                       np.array([0])),
+            lambda: fastattn.apply_rope_cache_set_rows(kv, inside, cache, np.array([7]))], [x, data]
+
+
 def _rope_cached_prefill_bad():
     x = np.ones((4, 2, 16), np.float32)
     cache = fastattn.rope_cache(np.arange(4, dtype=np.int32), n_dims=16, mode=NEOX)
@@ -305,6 +391,8 @@ def _attention_decode_bad():
 ROUTE_CASES = {
     "norm.rows": (norm_rows(), _norm_bad),
     "set_rows.rows": (set_rows_rows(), _set_rows_bad),
+    "set_rows.quantized": (set_rows_quantized(), _set_rows_quantized_bad),
+    "rope.cached_quantized": (rope_cached_quantized(), _rope_cached_quantized_bad),
     "rope.cached": (rope_cached(), _rope_cached_bad),
     "rope.fused": (rope_fused(), _rope_fused_bad),
     "rope.cached_prefill": (rope_cached_prefill(), _rope_cached_prefill_bad),
