@@ -102,14 +102,23 @@ def _umax(builder, a, b):
 
 def _store_q8_0(builder, base, scale_bits, inverse, values):
     """One Q8_0 block at byte pointer ``base``: its float16 scale bits, then round(v · inverse) of its four
-    8-wide ``values`` (``llvm.round``: halves away from zero) as int8."""
+    8-wide ``values`` (halves away from zero) as int8."""
     builder.store(scale_bits, builder.bitcast(base, ir.IntType(16).as_pointer()), align=1)
-    round_ = builder.module.declare_intrinsic("llvm.round.v8f32", (), ir.FunctionType(V8, [V8]))
-    v8_i32, v8_i8 = ir.VectorType(ir.IntType(32), LANES), ir.VectorType(ir.IntType(8), LANES)
-    for p, v in enumerate(values):
-        q = builder.trunc(builder.fptosi(builder.call(round_, [builder.fmul(v, splat(builder, inverse))]), v8_i32),
-                          v8_i8)
-        builder.store(q, builder.bitcast(builder.gep(base, [const(2 + LANES * p)]), v8_i8.as_pointer()), align=1)
+    v32_i32, v32_i8 = ir.VectorType(ir.IntType(32), 4 * LANES), ir.VectorType(ir.IntType(8), 4 * LANES)
+    # roundf as LLVM expands llvm.round (trunc(v + copysign(0.49999997, v)): exact, the sum rounds a half up to
+    # the next integer and nothing below it), the truncation left to fptosi: one instruction less per vector
+    below_half = ir.Constant(V8, [float(np.nextafter(np.float32(0.5), np.float32(0.0)))] * LANES)
+    copysign = builder.module.declare_intrinsic("llvm.copysign.v8f32", (), ir.FunctionType(V8, [V8, V8]))
+    q = []
+    for v in values:
+        scaled = builder.fmul(v, splat(builder, inverse))
+        q.append(builder.fptosi(builder.fadd(scaled, builder.call(copysign, [below_half, scaled])),
+                                ir.VectorType(ir.IntType(32), LANES)))
+    # the block's 32 values truncated to bytes in one operation (packs, not a shuffle per vector)
+    joined = shuffle(builder, shuffle(builder, q[0], q[1], list(range(2 * LANES))),
+                     shuffle(builder, q[2], q[3], list(range(2 * LANES))), list(range(4 * LANES)))
+    builder.store(builder.trunc(joined, v32_i8),
+                  builder.bitcast(builder.gep(base, [const(2)]), v32_i8.as_pointer()), align=1)
 
 
 def _q8_0_vector_codegen(context, builder, signature, llargs):
@@ -192,7 +201,7 @@ def _q8_0_blocks4_vector(typingctx, x, j0, out, o):
 def _q8_0_block_vector(typingctx, x, j0, out, o):
     """``_q8_0_block`` for a C-contiguous row x (float32, float16 or bfloat16 bits) in explicit 8-wide vectors, with
     the same IEEE operations (no fast-math flags: d = amax / 127 and 1 / d divided, x · (1/d) multiplied, then
-    rounded half away from zero by ``llvm.round``) and so the same bytes."""
+    rounded half away from zero as ``llvm.round`` is, ``_store_q8_0``) and so the same bytes."""
     _check_block_vector("_q8_0_block_vector", x, j0, out, o)
     return types.none(x, j0, out, o), _q8_0_vector_codegen
 

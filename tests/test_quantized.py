@@ -82,6 +82,25 @@ def test_bytes_match_ggml_reference_quantizer(qtype, x):
     assert np.array_equal(fastattn.dequantize(fast), decoded, equal_nan=True)
 
 
+def test_q8_0_rounds_every_half_and_its_neighbours_away_from_zero():
+    """Blocks whose largest magnitude is 127 (so d = 1 and 1/d = 1: a value's byte is roundf of the value itself):
+    every k + 0.5 in [-127.5, 126.5] and the floats either side of it, and of +-0.5, as ggml rounds them."""
+    halves = np.arange(-127, 127, dtype=np.float32) + np.float32(0.5)
+    values = np.concatenate([halves, np.nextafter(halves, np.float32(-np.inf)),
+                             np.nextafter(halves, np.float32(np.inf)), np.float32([0.0, -0.0])])
+    values = values[np.abs(values) <= 127]
+    blocks = np.zeros((8 * -(-values.size // (8 * 31)), 32), np.float32)
+    blocks[:, 0] = 127.0
+    rest = np.zeros(blocks.shape[0] * 31, np.float32)
+    rest[:values.size] = values
+    blocks[:, 1:] = rest.reshape(-1, 31)
+    assert np.isin(values, blocks).all() and np.array_equal(
+        reference.quantize(np.float32([[127.0, 0.5, -0.5, 1.5, 2.5] + [0.0] * 27]), "q8_0").data[0, 3:7],
+        np.int8([1, -1, 2, 3]).view(np.uint8))  # the premise: the halves are there, and roundf takes them away
+    for x in (blocks.reshape(-1, 8 * 32), blocks):  # rows of 8 blocks (four at a time), and of one
+        assert np.array_equal(fastattn.quantize(x, "q8_0").data, ggml_bytes(x, "q8_0"))
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_every_special_block_and_threads(qtype):
