@@ -26,7 +26,7 @@ from numba import types, typeof
 from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.core.imputils import impl_ret_borrowed
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
 from . import _notices  # noqa: F401  (installs the compile notices: one stderr line per first-use compile)
 from . import _validate
@@ -76,14 +76,43 @@ def kernel_view(a: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Kernel side: conversions.
+# to_f32 and from_f32 are intrinsics, not inlined overloads: Numba types an inlined overload's implementation
+# again at every call site (~13 ms each on the slowest machine measured), and a kernel's inlined helpers hold
+# dozens of these calls; an intrinsic's typing is a dictionary lookup, and its code is the same few instructions.
+def _widen(builder, value, typ):
+    """LLVM float32 of one element ``value`` of Numba type ``typ`` (float16 bits uint16, bfloat16 bits int16 or a
+    float)."""
+    if typ == types.uint16:
+        return builder.fpext(builder.bitcast(value, ir.HalfType()), ir.FloatType())
+    if typ == types.int16:
+        wide = builder.shl(builder.zext(value, ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
+    if typ == types.float32:
+        return value
+    return builder.fptrunc(value, ir.FloatType())
+
+
+def _narrow(builder, value, typ):
+    """LLVM ``typ`` (uint16 float16 bits or int16 bfloat16 bits) of float32 ``value``, rounded to nearest even
+    (a bfloat16 NaN stays a quiet NaN)."""
+    if typ == types.uint16:
+        return builder.bitcast(builder.fptrunc(value, ir.HalfType()), ir.IntType(16))
+    i32 = ir.IntType(32)
+    bits = builder.bitcast(value, i32)
+    lsb = builder.and_(builder.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+    rounded = builder.add(bits, builder.add(lsb, ir.Constant(i32, 0x7FFF)))
+    quiet_nan = builder.or_(bits, ir.Constant(i32, 0x400000))
+    chosen = builder.select(builder.fcmp_unordered("uno", value, value), quiet_nan, rounded)
+    return builder.trunc(builder.lshr(chosen, ir.Constant(i32, 16)), ir.IntType(16))
+
+
 @intrinsic
 def _f16_bits_to_f32(typingctx, bits):
     if not (isinstance(bits, types.Integer) and bits.bitwidth == 16):
         raise TypingError("expected 16-bit integer bits")
 
     def codegen(context, builder, signature, args):
-        half = builder.bitcast(args[0], ir.HalfType())
-        return builder.fpext(half, ir.FloatType())
+        return _widen(builder, args[0], types.uint16)
 
     return types.float32(bits), codegen
 
@@ -94,8 +123,7 @@ def _f32_to_f16_bits(typingctx, value):
         raise TypingError("expected float32")
 
     def codegen(context, builder, signature, args):
-        half = builder.fptrunc(args[0], ir.HalfType())
-        return builder.bitcast(half, ir.IntType(16))
+        return _narrow(builder, args[0], types.uint16)
 
     return types.uint16(value), codegen
 
@@ -106,8 +134,7 @@ def _bf16_bits_to_f32(typingctx, bits):
         raise TypingError("expected 16-bit integer bits")
 
     def codegen(context, builder, signature, args):
-        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
-        return builder.bitcast(wide, ir.FloatType())
+        return _widen(builder, args[0], types.int16)
 
     return types.float32(bits), codegen
 
@@ -119,14 +146,7 @@ def _f32_to_bf16_bits(typingctx, value):
         raise TypingError("expected float32")
 
     def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        bits = builder.bitcast(args[0], i32)
-        lsb = builder.and_(builder.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 1))
-        rounded = builder.add(bits, builder.add(lsb, ir.Constant(i32, 0x7FFF)))
-        quiet_nan = builder.or_(bits, ir.Constant(i32, 0x400000))
-        is_nan = builder.fcmp_unordered("uno", args[0], args[0])
-        chosen = builder.select(is_nan, quiet_nan, rounded)
-        return builder.trunc(builder.lshr(chosen, ir.Constant(i32, 16)), ir.IntType(16))
+        return _narrow(builder, args[0], types.int16)
 
     return types.int16(value), codegen
 
@@ -146,39 +166,34 @@ def _pow2i(typingctx, n):
     return types.float32(n), codegen
 
 
-def to_f32(v):
+@intrinsic
+def to_f32(typingctx, v):
     """Widen one element (float32, float16 bits as uint16, bfloat16 bits as int16) to float32. Kernel-only."""
-    raise NotImplementedError
+    if not (v in (types.uint16, types.int16) or isinstance(v, types.Float)):
+        raise TypingError(f"to_f32: unsupported element type {v}")
+
+    def codegen(context, builder, signature, args):
+        return _widen(builder, args[0], signature.args[0])
+
+    return types.float32(v), codegen
 
 
-def from_f32(v, like):
-    """Narrow float32 ``v`` to the element type of array ``like`` (round to nearest even). Kernel-only."""
-    raise NotImplementedError
+@intrinsic
+def from_f32(typingctx, v, like):
+    """Narrow ``v`` (as float32: ``np.float32(v)``) to the element type of array ``like`` (round to nearest even;
+    a float64 array takes ``np.float64(v)``). Kernel-only."""
+    dtype = getattr(like, "dtype", None)
+    if not (isinstance(like, types.Array) and dtype in (types.uint16, types.int16, types.float32, types.float64)
+            and isinstance(v, types.Number)):
+        raise TypingError(f"from_f32: unsupported value {v} or array type {like}")
 
+    def codegen(context, builder, signature, args):
+        if dtype == types.float64:
+            return context.cast(builder, args[0], v, types.float64)
+        value = context.cast(builder, args[0], v, types.float32)
+        return value if dtype == types.float32 else _narrow(builder, value, dtype)
 
-@overload(to_f32, inline="always")
-def _to_f32_impl(v):
-    if v == types.uint16:
-        return lambda v: _f16_bits_to_f32(v)
-    if v == types.int16:
-        return lambda v: _bf16_bits_to_f32(v)
-    if isinstance(v, types.Float):
-        return lambda v: np.float32(v)
-    raise TypingError(f"to_f32: unsupported element type {v}")
-
-
-@overload(from_f32, inline="always")
-def _from_f32_impl(v, like):
-    dtype = like.dtype
-    if dtype == types.uint16:
-        return lambda v, like: _f32_to_f16_bits(np.float32(v))
-    if dtype == types.int16:
-        return lambda v, like: _f32_to_bf16_bits(np.float32(v))
-    if dtype == types.float32:
-        return lambda v, like: np.float32(v)
-    if dtype == types.float64:
-        return lambda v, like: np.float64(v)
-    raise TypingError(f"from_f32: unsupported array type {like}")
+    return dtype(v, like), codegen
 
 
 # ---------------------------------------------------------------------------------------------------------------
