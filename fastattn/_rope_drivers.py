@@ -29,7 +29,7 @@ from numba.extending import overload
 
 from ._kernel import call_unit, fetch_add, prefetch
 from ._rope_cache import CACHE_BLOCK, cache_block
-from ._rope_rotate import (ROWS_STRIDED, TOKEN_BLOCK, _EXACT, _INLINE, rope_block, rotate_rows_adjacent,
+from ._rope_rotate import (ROWS_STRIDED, TOKEN_BLOCK, _EXACT, _INLINE, _PICK, rope_block, rotate_rows_adjacent,
                            rotate_rows_split)
 from ._simd import LANES
 
@@ -87,7 +87,7 @@ def _step(x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layou
     driver compiles, so each compiled driver holds only one step's loop)."""
 
 
-@overload(_step, inline="always")
+@overload(_step, jit_options=_PICK)
 def _step_impl(x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layout):
     if isinstance(idx, types.NoneType):
         return lambda x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layout: _rotate_step(
@@ -134,7 +134,7 @@ def _rotate_whole(x, out, idx, keep, n, cache_row, n_pairs, interleaved):
     out[idx[n]] when ``keep`` marks it. Kernel-only."""
 
 
-@overload(_rotate_whole, inline="always")
+@overload(_rotate_whole, jit_options=_PICK)
 def _rotate_whole_impl(x, out, idx, keep, n, cache_row, n_pairs, interleaved):
     if isinstance(idx, types.NoneType):
         return lambda x, out, idx, keep, n, cache_row, n_pairs, interleaved: _rotate_rows(

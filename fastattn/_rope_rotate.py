@@ -124,6 +124,10 @@ rotate_rows_adjacent = intrinsic(_typer("rotate_rows_adjacent", adjacent=True))
 # result is bit-identical across layouts and thread counts (and the op stays memory-bound).
 _EXACT = dict(KERNEL_OPTIONS, fastmath={"nsz", "arcp"})
 _INLINE = dict(_EXACT, inline="always")
+#: The options of the overloads that pick a step by argument type: compiled as functions of their own, not inlined
+#: (Numba compiles an inlined overload's implementation anyway, then types it again inside every caller); cached
+#: within their callers.
+_PICK = {key: value for key, value in _EXACT.items() if key != "cache"}
 
 
 def _store(v, like):

@@ -28,7 +28,7 @@ from ._dispatch import Route, aligned, array_type, c_contiguous, meta, overlaps,
 from ._kernel import assume_contiguous, use_threads
 from ._rope_cache import CACHE_BLOCK
 from ._rope_drivers import CACHED_UNIT, FUSED_UNIT, drive_fused, drive_parallel
-from ._rope_rotate import _EXACT, _INLINE, ROWS_UNIT, rope_block, token_layout_of
+from ._rope_rotate import _EXACT, _INLINE, _PICK, ROWS_UNIT, rope_block, token_layout_of
 from ._validate import FLOAT32
 from .quant import blocks_fill, quantize_row
 
@@ -58,7 +58,7 @@ def _cache_row(dst, r, n_heads, head_dim):
     raise NotImplementedError
 
 
-@overload(_cache_row, inline="always")
+@overload(_cache_row, jit_options=_PICK)
 def _cache_row_impl(dst, r, n_heads, head_dim):
     if dst.ndim == 2:
         return lambda dst, r, n_heads, head_dim: assume_contiguous(dst[r]).reshape((n_heads, head_dim))
@@ -109,7 +109,7 @@ def _cached_variant(x, out, idx, cs, n_pairs, interleaved, max_bytes):
     raise NotImplementedError
 
 
-@overload(_cached_variant, inline="always")
+@overload(_cached_variant, jit_options=_PICK)
 def _cached_variant_impl(x, out, idx, cs, n_pairs, interleaved, max_bytes):
     if isinstance(idx, types.NoneType):
         return lambda x, out, idx, cs, n_pairs, interleaved, max_bytes: _rotate_tokens(
@@ -247,7 +247,7 @@ def _fused_variant(unit, x, out, idx, pos, plan, min_bytes, n_threads):
     raise NotImplementedError
 
 
-@overload(_fused_variant, inline="always")
+@overload(_fused_variant, jit_options=_PICK)
 def _fused_variant_impl(unit, x, out, idx, pos, plan, min_bytes, n_threads):
     if isinstance(idx, types.NoneType):
         return lambda unit, x, out, idx, pos, plan, min_bytes, n_threads: _fused_tokens(
