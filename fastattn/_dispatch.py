@@ -235,3 +235,17 @@ def c_contiguous(m):
             return False
         expected *= shape[k]
     return aligned(m)
+
+
+@kernel(inline=True)
+def rows_writable(dst, src, idx):
+    """A cache write's checks (the routes of ``set_rows`` and ``apply_rope_cache_set_rows``): ``dst`` (its rows:
+    values, or a quantized cache's bytes) and ``src`` have aligned unit-stride rows, ``idx`` is aligned, ``dst``
+    overlaps neither ``src`` nor ``idx``, and every index is in [0, dst.shape[0])."""
+    md, ms, mi = meta(dst), meta(src), meta(idx)
+    if not (unit_rows(md) and unit_rows(ms) and aligned(mi)) or overlaps(md, ms) or overlaps(md, mi):
+        return False
+    for i in range(idx.shape[0]):
+        if idx[i] < 0 or idx[i] >= dst.shape[0]:
+            return False
+    return True

@@ -24,7 +24,8 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from ._dispatch import Route, aligned, array_type, c_contiguous, meta, overlaps, same_view, unit_rows
+from ._dispatch import (Route, aligned, array_type, c_contiguous, meta, overlaps, rows_writable, same_view,
+                        unit_rows)
 from ._kernel import assume_contiguous, use_threads
 from ._rope_cache import CACHE_BLOCK
 from ._rope_drivers import CACHED_UNIT, FUSED_UNIT, drive_fused, drive_parallel
@@ -91,13 +92,8 @@ def _write_tokens(x, dst, idx, cs, n_pairs, interleaved, max_bytes):
         return False
     if dst.shape[dst.ndim - 1] != (h * d if dst.ndim == 2 else d):
         return False
-    md, mx, mi = meta(dst), meta(x), meta(idx)
-    if (not (unit_rows(md) and unit_rows(mx) and aligned(mi)) or overlaps(md, mx) or overlaps(md, mi)
-            or overlaps(md, meta(cs))):
+    if not rows_writable(dst, x, idx) or overlaps(meta(dst), meta(cs)):
         return False
-    for i in range(n):
-        if idx[i] < 0 or idx[i] >= n_rows:
-            return False
     for i in range(n):
         rope_block(x[i], _cache_row(dst, idx[i], h, d), assume_contiguous(cs[i]), n_pairs, interleaved,
                    np.bool_(False), np.int64(ROWS_UNIT), np.int64(0))
@@ -149,7 +145,6 @@ def cached_quantized_entry(x, data, idx, cs, pairing, code, max_bytes):
     and cs, and every index is in range."""
     n_pairs, interleaved, min_head_dim, exact_head_dim = pairing
     n, h, d = x.shape
-    n_rows = data.shape[0]
     last = data.shape[data.ndim - 1]
     if data.ndim == 2:
         if h == 0 or last % h != 0:
@@ -162,13 +157,8 @@ def cached_quantized_entry(x, data, idx, cs, pairing, code, max_bytes):
     if (not _fits_table(n, d, cs, min_head_dim, exact_head_dim) or idx.shape[0] != n
             or not blocks_fill(d, row_bytes, code) or x.size * (x.itemsize + 1) >= max_bytes):
         return False
-    md, mx, mi = meta(data), meta(x), meta(idx)
-    if (not (unit_rows(md) and unit_rows(mx) and aligned(mi)) or overlaps(md, mx) or overlaps(md, mi)
-            or overlaps(md, meta(cs))):
+    if not rows_writable(data, x, idx) or overlaps(meta(data), meta(cs)):
         return False
-    for i in range(n):
-        if idx[i] < 0 or idx[i] >= n_rows:
-            return False
     scratch = np.empty((h, d), np.float32)
     for i in range(n):
         rope_block(x[i], scratch, assume_contiguous(cs[i]), n_pairs, interleaved, np.bool_(False),

@@ -26,7 +26,7 @@ from numba import prange, types
 
 from . import _layout, _threads
 from ._args import rows as _args
-from ._dispatch import Route, aligned, array_type, meta, overlaps, unit_rows
+from ._dispatch import Route, array_type, rows_writable
 from ._kernel import assume_contiguous, from_f32, kernel, kernel_view, to_f32
 from ._quantized import QTYPE_CODES, Quantized
 from .quant import blocks_fill, quantize_row
@@ -95,15 +95,9 @@ def _set_rows_fast(dst, src, idx, max_bytes):
     False, having written nothing, unless the shapes match, fewer than ``max_bytes`` move, dst and src have
     aligned unit-stride rows, idx is aligned, dst overlaps neither src nor idx and every index is in [0, R)."""
     n, d = src.shape
-    n_rows = dst.shape[0]
-    if idx.shape[0] != n or dst.shape[1] != d or n * d * (src.itemsize + dst.itemsize) >= max_bytes:
+    if (idx.shape[0] != n or dst.shape[1] != d or n * d * (src.itemsize + dst.itemsize) >= max_bytes
+            or not rows_writable(dst, src, idx)):
         return False
-    md, ms, mi = meta(dst), meta(src), meta(idx)
-    if not (unit_rows(md) and unit_rows(ms) and aligned(mi)) or overlaps(md, ms) or overlaps(md, mi):
-        return False
-    for i in range(n):
-        if idx[i] < 0 or idx[i] >= n_rows:
-            return False
     for i in range(n):  # rows retyped contiguous: the conversion vectorises
         _copy_row(assume_contiguous(src[i]), assume_contiguous(dst[idx[i]]))
     return True
@@ -146,15 +140,9 @@ def _set_quantized_fast(data, src, idx, code, max_bytes):
     idx is aligned, data overlaps neither src nor idx and every index is in [0, R). Rows in order: the last of
     duplicate indices wins."""
     n, d = src.shape
-    n_rows = data.shape[0]
-    if idx.shape[0] != n or not blocks_fill(d, data.shape[1], code) or n * d * (src.itemsize + 1) >= max_bytes:
+    if (idx.shape[0] != n or not blocks_fill(d, data.shape[1], code) or n * d * (src.itemsize + 1) >= max_bytes
+            or not rows_writable(data, src, idx)):
         return False
-    md, ms, mi = meta(data), meta(src), meta(idx)
-    if not (unit_rows(md) and unit_rows(ms) and aligned(mi)) or overlaps(md, ms) or overlaps(md, mi):
-        return False
-    for i in range(n):
-        if idx[i] < 0 or idx[i] >= n_rows:
-            return False
     for i in range(n):
         quantize_row(assume_contiguous(src[i]), data[idx[i]], code)
     return True
