@@ -33,7 +33,6 @@ from .quant import blocks_fill, quantize_row
 
 _ND = np.ndarray
 _UINT8 = np.dtype(np.uint8)
-_CODES = QTYPE_CODES
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio
 
@@ -210,7 +209,7 @@ def set_rows(dst: np.ndarray, src: np.ndarray, idx: np.ndarray) -> np.ndarray:
                 if entry is not None and entry(dst, src, idx, _threads.PARALLEL_MIN_BYTES):
                     return dst
         elif dst.__class__ is Quantized:
-            data, code = dst.data, _CODES.get(dst.qtype)  # both checked again: the attributes can be reassigned
+            data, code = dst.data, QTYPE_CODES.get(dst.qtype)  # both checked again: the attributes can be reassigned
             if data.__class__ is _ND and data.dtype is _UINT8 and data.ndim == 2 and data.flags.writeable:
                 entry = _quantized_route.get((src.dtype, idx.dtype))
                 if entry is not None and code is not None and entry(data, src, idx, code,
