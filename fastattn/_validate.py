@@ -36,12 +36,19 @@ def bfloat16() -> np.dtype | None:
     return None if module is None else np.dtype(module.bfloat16)
 
 
+def is_bfloat16(dtype) -> bool:
+    """Whether ``dtype`` is ml_dtypes' bfloat16 (False while ml_dtypes is not imported: a dtype compares equal to
+    None when it is float64, NumPy's default, so None is tested first)."""
+    bf16 = bfloat16()
+    return bf16 is not None and dtype == bf16
+
+
 def admit_bfloat16(dtype) -> bool:
     """Whether ``dtype`` is bfloat16; at its first sight it joins STORAGE_FLOATS, STORAGE_FLOAT_SET and HALF_VIEW.
     For checks that found ``dtype`` missing from STORAGE_FLOATS."""
-    bf16 = bfloat16()
-    if bf16 is None or dtype != bf16:
+    if not is_bfloat16(dtype):
         return False
+    bf16 = bfloat16()
     with _admit_lock:
         if bf16 not in STORAGE_FLOAT_SET:
             HALF_VIEW[bf16] = np.dtype(np.int16)

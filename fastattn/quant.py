@@ -104,7 +104,7 @@ def _store_q8_0(builder, base, scale_bits, inverse, values):
     """One Q8_0 block at byte pointer ``base``: its float16 scale bits, then round(v · inverse) of its four
     8-wide ``values`` (halves away from zero) as int8."""
     builder.store(scale_bits, builder.bitcast(base, ir.IntType(16).as_pointer()), align=1)
-    v32_i32, v32_i8 = ir.VectorType(ir.IntType(32), 4 * LANES), ir.VectorType(ir.IntType(8), 4 * LANES)
+    v32_i8 = ir.VectorType(ir.IntType(8), 4 * LANES)
     # roundf as LLVM expands llvm.round (trunc(v + copysign(0.49999997, v)): exact, the sum rounds a half up to
     # the next integer and nothing below it), the truncation left to fptosi: one instruction less per vector
     below_half = ir.Constant(V8, [float(np.nextafter(np.float32(0.5), np.float32(0.0)))] * LANES)

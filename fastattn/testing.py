@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ._validate import bfloat16 as _bfloat16
+from ._validate import is_bfloat16 as _is_bfloat16
 from ._validate import FLOAT16 as _FLOAT16
 from ._validate import FLOAT32 as _FLOAT32
 
@@ -81,11 +81,6 @@ def _floor(floor: float) -> float:
     if not (math.isfinite(floor) and floor >= 0.0):
         raise ValueError(f"floor must be finite and >= 0, got {floor}")
     return floor
-
-
-def _is_bfloat16(dtype: np.dtype) -> bool:
-    bf16 = _bfloat16()  # None without ml_dtypes (and np.dtype compares equal to None: float64 is the default)
-    return bf16 is not None and dtype == bf16
 
 
 def _half_dtype(name: str, a: np.ndarray) -> np.dtype:
