@@ -283,11 +283,27 @@ def assume_contiguous(typingctx, row):
     return row.copy(layout="C")(row), codegen
 
 
+@intrinsic
+def any_layout(typingctx, a):
+    """Retype array ``a`` as any layout ('A'), writeable, as the routes' parameters are (``_dispatch.array_type``)
+    (same data model, nothing copied): a kernel that hands a C-contiguous block (a reshaped cache) to a driver
+    also called with strided arrays then shares its compiled code instead of compiling a C variant of it."""
+    if not isinstance(a, types.Array):
+        raise TypingError("any_layout: expected an array")
+
+    def codegen(context, builder, signature, args):
+        return impl_ret_borrowed(context, builder, signature.return_type, args[0])
+
+    return a.copy(layout="A", readonly=False)(a), codegen
+
+
 _any_layout_entries: dict = {}
 
 
 def call_any_layout(dispatcher, strided, *args, unit=None):
-    """Call ``dispatcher`` with the arrays at positions ``strided`` typed as any layout ('A').
+    """Call ``dispatcher`` with the arrays at positions ``strided`` typed as any layout ('A') and writeable, as
+    the routes' parameters are (``_dispatch.array_type``), so that a route and a general path share what they
+    compile.
 
     Numba would otherwise compile one specialisation (seconds each) per combination of contiguous and strided
     inputs; kernels that read their inputs through strides need only one per dtype combination. The other
@@ -302,17 +318,18 @@ def call_any_layout(dispatcher, strided, *args, unit=None):
     for i, a in enumerate(args):  # a plain loop, one flags object per array: decode calls build this key each time
         if isinstance(a, np.ndarray):
             flags = a.flags
-            # what typeof reads: the strided positions are typed 'A' whatever their layout, so their contiguity
-            # is not part of the key; the others are typed C, F or A from both contiguity flags
-            key.append((a.dtype, a.ndim, flags.writeable, flags.aligned) if i in strided
+            # what typeof reads: the strided positions are typed 'A' and writeable whatever their layout and
+            # flags, so their contiguity and writeability are not part of the key; the others are typed C, F or
+            # A from both contiguity flags
+            key.append((a.dtype, a.ndim, flags.aligned) if i in strided
                        else (a.dtype, a.ndim, flags.writeable, flags.aligned, flags.c_contiguous, flags.f_contiguous))
         else:
             key.append(type(a))
     key = tuple(key)
     cached = _any_layout_entries.get(key)
     if cached is None:
-        signature = tuple(t.copy(layout="A") if i in strided and isinstance(t, types.Array) else t
-                          for i, t in enumerate(map(typeof, args)))
+        signature = tuple(t.copy(layout="A", readonly=False) if i in strided and isinstance(t, types.Array)
+                          else t for i, t in enumerate(map(typeof, args)))
         handle = None
         if unit is not None:
             unit_kernel, shared, extra = unit

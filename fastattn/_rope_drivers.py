@@ -27,7 +27,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-from ._kernel import call_unit, fetch_add, prefetch
+from ._kernel import assume_contiguous, call_unit, fetch_add, prefetch
 from ._rope_cache import CACHE_BLOCK, cache_block
 from ._rope_rotate import (ROWS_STRIDED, TOKEN_BLOCK, _EXACT, _INLINE, _PICK, rope_block, rotate_rows_adjacent,
                            rotate_rows_split)
@@ -103,9 +103,10 @@ TOKENS_PER_TASK = 8
 
 @numba.njit(**_EXACT)
 def drive_serial(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout):
-    """``_step`` on every token of x (B, N, H, D) with its row of cs (N, 2·n_pairs) float32 (cos then sin)."""
+    """``_step`` on every token of x (B, N, H, D) with its row of cs (N, 2·n_pairs) float32 (cos then sin; rows
+    of adjacent elements, typed so: the routes hand ``rope_block`` their rows the same way)."""
     for n in range(x.shape[1]):
-        _step(x, out, idx, keep, n, cs[n], n_pairs, interleaved, in_place, layout)
+        _step(x, out, idx, keep, n, assume_contiguous(cs[n]), n_pairs, interleaved, in_place, layout)
 
 
 @numba.njit(**_INLINE)
@@ -156,10 +157,11 @@ def _cached_tasks(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout,
     task = fetch_add(next_task)
     while task < n_tasks:
         for n in range(task * TOKENS_PER_TASK, min(x.shape[1], (task + 1) * TOKENS_PER_TASK)):
+            cache_row = assume_contiguous(cs[n])
             if whole:
-                _rotate_whole(x, out, idx, keep, n, cs[n], n_pairs, interleaved)
+                _rotate_whole(x, out, idx, keep, n, cache_row, n_pairs, interleaved)
             else:
-                _step(x, out, idx, keep, n, cs[n], n_pairs, interleaved, in_place, layout)
+                _step(x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layout)
         task = fetch_add(next_task)
 
 

@@ -26,7 +26,7 @@ from numba.extending import overload
 
 from ._dispatch import (Route, aligned, array_type, c_contiguous, meta, overlaps, rows_writable, same_view,
                         unit_rows)
-from ._kernel import assume_contiguous, use_threads
+from ._kernel import any_layout, assume_contiguous, use_threads
 from ._rope_cache import CACHE_BLOCK
 from ._rope_drivers import CACHED_UNIT, FUSED_UNIT, drive_fused, drive_parallel
 from ._rope_rotate import _EXACT, _INLINE, _PICK, ROWS_UNIT, rope_block, token_layout_of
@@ -61,8 +61,8 @@ def _cache_row(dst, r, n_heads, head_dim):
 
 @overload(_cache_row, jit_options=_PICK)
 def _cache_row_impl(dst, r, n_heads, head_dim):
-    if dst.ndim == 2:
-        return lambda dst, r, n_heads, head_dim: assume_contiguous(dst[r]).reshape((n_heads, head_dim))
+    if dst.ndim == 2:  # typed as the 3-D cache's rows are, so that rope_block compiles once for both
+        return lambda dst, r, n_heads, head_dim: any_layout(assume_contiguous(dst[r]).reshape((n_heads, head_dim)))
     return lambda dst, r, n_heads, head_dim: dst[r]
 
 
@@ -225,10 +225,11 @@ def _fused_write(unit, x, dst, idx, pos, plan, min_bytes, n_threads):
     if overlaps(md, mx) or overlaps(md, mi) or overlaps(md, mp) or not _increasing_in(idx, n_rows):
         return False
     use_threads(n_threads)
-    rows = assume_contiguous(dst).reshape((n_rows, n_heads, head_dim))
+    # (R, H, D), typed as the general path's (R, H, D) caches are: one compiled _fused_tasks for both
+    rows = any_layout(assume_contiguous(dst).reshape((n_rows, n_heads, head_dim)))
     drive_fused(unit, x[np.newaxis], rows, idx, np.ones(n_tokens, np.bool_), pos[np.newaxis], streams, w, step_cos,
-                step_sin, cos_scale, sin_scale, interleaved, False, token_layout_of(mx, meta(rows), head_dim),
-                np.zeros(1, np.int64), n_threads)
+                step_sin, cos_scale, sin_scale, interleaved, np.bool_(False),
+                token_layout_of(mx, meta(rows), head_dim), np.zeros(1, np.int64), n_threads)
     return True
 
 
@@ -271,8 +272,8 @@ def _fused_unit(x_dtype, out_dtype, out_ndim, idx_dtype) -> tuple:
     x4 = array_type(x_dtype, 4)
     if idx_dtype is None:
         out, idx, keep, in_place = array_type(out_dtype, 4), types.none, types.none, types.boolean
-    else:  # the cache, retyped C-contiguous (R, H, D); a fresh keep mask
-        out = types.Array(array_type(out_dtype, 1).dtype, 3, "C")
+    else:  # the cache as (R, H, D); a fresh keep mask
+        out = array_type(out_dtype, 3)
         idx, keep, in_place = array_type(idx_dtype, 1), types.Array(types.boolean, 1, "C"), types.boolean
     return FUSED_UNIT[0], (x4, out, idx, keep, array_type(np.dtype(np.int32), 2)) + tuple(PLAN_TYPE.types[:6]) + (
         types.boolean, in_place, types.int64, types.Array(types.int64, 1, "C"))

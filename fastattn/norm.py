@@ -13,7 +13,8 @@ float32 sum of two half values rounds correctly, since 24 >= 2*11 + 2) and then 
 Layout: the leading axes are merged into one (``_layout.merge_leading``, never a copy), so each kernel sees 2-D
 ``(rows, D)`` arrays of any strides plus a 2-D weight ``(W, Dw)``: row ``r`` uses weight row ``r % W`` and column
 ``j`` uses weight column ``j % Dw`` (ggml's repeat). Half-precision arrays enter as 16-bit integer views
-(``kernel_view``). Numba compiles a C-contiguous specialisation automatically, in which both passes vectorise.
+(``kernel_view``). The drivers are compiled once per dtype combination for any-layout arrays; each row whose
+elements are adjacent is retyped contiguous (``assume_contiguous``), so both passes vectorise on it.
 
 In place (``out`` is ``x``) the scaling loop reads and writes ``out``'s row alone: with two arrays pointing at the
 same row, LLVM's runtime overlap check would send it down its scalar version.
@@ -32,10 +33,12 @@ from numba import prange, types
 from . import _layout, _threads
 from ._args import norm as _args
 from ._dispatch import Route, array_type, meta, overlaps, same_view, unit_rows
-from ._kernel import assume_contiguous, from_f32, kernel, kernel_view, to_f32
+from ._kernel import assume_contiguous, call_any_layout, from_f32, kernel, kernel_view, to_f32
 from ._validate import FLOAT32_MAX
 
 _ND = np.ndarray
+_ANY3 = (0, 1, 2)  # the drivers' array arguments, typed any layout (``call_any_layout``)
+_ANY5 = (0, 1, 2, 3, 4)
 _MAX_EPS = float(np.finfo(np.float64).max)
 
 
@@ -92,12 +95,35 @@ def _norm_vec(xr, wr, yr, eps):
 
 
 @kernel
+def _unit_stride(row):
+    """A 1-D row whose elements are adjacent."""
+    return row.shape[0] <= 1 or row.strides[0] == row.itemsize
+
+
+@kernel
 def _norm_row(x, w, out, eps, r):
-    """``out[r] = x[r] / sqrt(mean(x[r]**2) + eps) * w[r % W]`` (no weight when ``w`` is None)."""
+    """``out[r] = x[r] / sqrt(mean(x[r]**2) + eps) * w[r % W]`` (no weight when ``w`` is None). Rows whose
+    elements are adjacent go to ``_norm_vec`` typed contiguous (its loops vectorise; the route's calls share that
+    compiled code), the others as they are."""
+    xr = x[r]
+    yr = out[r]
     if w is None:
-        _norm_vec(x[r], None, out[r], eps)
+        if _unit_stride(xr) and _unit_stride(yr):
+            _norm_vec(assume_contiguous(xr), None, assume_contiguous(yr), eps)
+        else:
+            _norm_vec(xr, None, yr, eps)
     else:
-        _norm_vec(x[r], w[r % w.shape[0]], out[r], eps)
+        wr = w[r % w.shape[0]]
+        if _unit_stride(xr) and _unit_stride(yr) and _unit_stride(wr):
+            _norm_vec(assume_contiguous(xr), assume_contiguous(wr), assume_contiguous(yr), eps)
+        else:
+            _norm_vec(xr, wr, yr, eps)
+
+
+@kernel
+def _add_vec(xr, rr, sr):
+    for j in range(xr.shape[0]):
+        sr[j] = from_f32(to_f32(xr[j]) + to_f32(rr[j]), sr)
 
 
 @kernel
@@ -105,10 +131,14 @@ def _add_row(x, residual, s, r):
     xr = x[r]
     rr = residual[r]
     sr = s[r]
-    for j in range(xr.shape[0]):
-        sr[j] = from_f32(to_f32(xr[j]) + to_f32(rr[j]), sr)
+    if _unit_stride(xr) and _unit_stride(rr) and _unit_stride(sr):
+        _add_vec(assume_contiguous(xr), assume_contiguous(rr), assume_contiguous(sr))
+    else:
+        _add_vec(xr, rr, sr)
 
 
+# The drivers take any-layout arrays (``_norm_rows_with``): one compiled driver per dtype combination. Rows are
+# int64 in both (a prange index is unsigned, and would compile the row functions again).
 @kernel
 def _norm_serial(x, w, out, eps):
     for r in range(x.shape[0]):
@@ -118,7 +148,7 @@ def _norm_serial(x, w, out, eps):
 @kernel(parallel=True)
 def _norm_parallel(x, w, out, eps):
     for r in prange(x.shape[0]):
-        _norm_row(x, w, out, eps, r)
+        _norm_row(x, w, out, eps, np.int64(r))
 
 
 @kernel
@@ -131,8 +161,9 @@ def _add_norm_serial(x, residual, w, s, out, eps):
 @kernel(parallel=True)
 def _add_norm_parallel(x, residual, w, s, out, eps):
     for r in prange(x.shape[0]):
-        _add_row(x, residual, s, r)
-        _norm_row(s, w, out, eps, r)
+        i = np.int64(r)
+        _add_row(x, residual, s, i)
+        _norm_row(s, w, out, eps, i)
 
 
 @kernel
@@ -242,10 +273,11 @@ def _norm_rows(op: str, x: np.ndarray, w: np.ndarray | None, out: np.ndarray, ep
 def _norm_rows_with(run, x: np.ndarray, w: np.ndarray | None, out: np.ndarray, eps: float) -> None:
     """``run`` (a norm kernel) over x's rows into out."""
     if x.ndim == 2 and (w is None or w.ndim == 1):  # the common case directly: the generic merge costs a fifth
-        run(kernel_view(x), None if w is None else kernel_view(w)[None], kernel_view(out), eps)
+        call_any_layout(run, _ANY3, kernel_view(x), None if w is None else kernel_view(w)[None], kernel_view(out),
+                        eps)
         return
     for (xk, ok), weights in _blocks([x, out], w):
-        run(xk, None if w is None else weights[0], ok, eps)
+        call_any_layout(run, _ANY3, xk, None if w is None else weights[0], ok, eps)
 
 
 def add_rms_norm_mul(x: np.ndarray, residual: np.ndarray, w: np.ndarray, eps: float,
@@ -266,9 +298,9 @@ def add_rms_norm_mul(x: np.ndarray, residual: np.ndarray, w: np.ndarray, eps: fl
     n = _threads.threads_for(4 * x.nbytes)
     if n == 1:
         for (xk, rk, sk, ok), (wk,) in _blocks([x, residual, sum_out, out], w):
-            _add_norm_serial(xk, rk, wk, sk, ok, eps)
+            call_any_layout(_add_norm_serial, _ANY5, xk, rk, wk, sk, ok, eps)
     else:
         with _threads.team("add_rms_norm_mul", 4 * x.nbytes, n):
             for (xk, rk, sk, ok), (wk,) in _blocks([x, residual, sum_out, out], w):
-                _add_norm_parallel(xk, rk, wk, sk, ok, eps)
+                call_any_layout(_add_norm_parallel, _ANY5, xk, rk, wk, sk, ok, eps)
     return sum_out, out

@@ -45,6 +45,10 @@ __all__ = ["RopeCache", "rope_cache", "apply_rope_cache", "rope_ext", "rope_set_
 
 _ND = np.ndarray
 _INT32 = np.dtype(np.int32)
+#: ``drive_fused``'s array arguments typed as any layout (x, out, idx, pos and the table's arrays), as the route
+#: ``rope.fused`` types them, so that the route and these calls share one compiled ``_fused_tasks``; the drivers'
+#: other calls mark theirs the same way for the same reason.
+_FUSED_ARRAYS = (0, 1, 2, 4, 5, 6, 7, 8)
 _INT64 = np.dtype(np.int64)
 _UINT8 = np.dtype(np.uint8)
 
@@ -135,10 +139,10 @@ def _rotate(x: np.ndarray, out: np.ndarray, cs: np.ndarray, pairing: tuple) -> N
     flags = (interleaved, out is x, token_layout(xk, ok))
     if n_threads > 1:
         with _threads.team("apply_rope_cache", nbytes, n_threads) as launch:
-            call_any_layout(drive_parallel, (), xk, ok, None, None, cs, n_pairs, *flags, np.zeros(1, np.int64),
-                            launch.n, unit=CACHED_UNIT)
+            call_any_layout(drive_parallel, (0, 1, 4), xk, ok, None, None, cs, n_pairs, *flags,
+                            np.zeros(1, np.int64), launch.n, unit=CACHED_UNIT)
     else:
-        drive_serial(xk, ok, None, None, cs, n_pairs, *flags)
+        call_any_layout(drive_serial, (0, 1, 4), xk, ok, None, None, cs, n_pairs, *flags)
 
 
 def _last_of_duplicates(idx: np.ndarray) -> np.ndarray:
@@ -167,19 +171,20 @@ def _write_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, params: _args.
     if n_threads == 1:  # in order, every token writes: the last duplicate wins
         if cs is None:
             cs = build_cs(pos, params)
-        drive_serial(x1, dk, idx, np.ones(n_tokens, np.bool_), cs, n_pairs, interleaved, False, layout)
+        call_any_layout(drive_serial, (0, 1, 2, 4), x1, dk, idx, np.ones(n_tokens, np.bool_), cs, n_pairs,
+                        interleaved, False, layout)
         return
     keep = _last_of_duplicates(idx)
     next_task = np.zeros(1, np.int64)
     with _threads.team("rope_set_rows", nbytes, n_threads) as launch:
         if cs is not None:
-            call_any_layout(drive_parallel, (), x1, dk, idx, keep, cs, n_pairs, interleaved, False, layout,
-                            next_task, launch.n, unit=CACHED_UNIT)
+            call_any_layout(drive_parallel, (0, 1, 2, 4), x1, dk, idx, keep, cs, n_pairs, interleaved, False,
+                            layout, next_task, launch.n, unit=CACHED_UNIT)
         else:
             table = params.table
-            call_any_layout(drive_fused, (), x1, dk, idx, keep, pos, table.streams, table.w, table.step_cos,
-                            table.step_sin, table.cos_scale, table.sin_scale, interleaved, False, layout, next_task,
-                            launch.n, unit=FUSED_UNIT)
+            call_any_layout(drive_fused, _FUSED_ARRAYS, x1, dk, idx, keep, pos, table.streams, table.w,
+                            table.step_cos, table.step_sin, table.cos_scale, table.sin_scale, interleaved, False,
+                            layout, next_task, launch.n, unit=FUSED_UNIT)
 
 
 def _write_quantized(dst: Quantized, data3: np.ndarray, x: np.ndarray, idx: np.ndarray, cs: np.ndarray,
@@ -298,7 +303,7 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
             yk = xk if y is x else kernel_view(y4)
             table = params.table
             with _threads.team("rope_ext", nbytes, n_threads) as launch:
-                call_any_layout(drive_fused, (), xk, yk, None, None, streams, table.streams, table.w,
+                call_any_layout(drive_fused, _FUSED_ARRAYS, xk, yk, None, None, streams, table.streams, table.w,
                                 table.step_cos, table.step_sin, table.cos_scale, table.sin_scale,
                                 params.interleaved, y is x, token_layout(xk, yk), np.zeros(1, np.int64), launch.n,
                                 unit=FUSED_UNIT)

@@ -27,12 +27,13 @@ from numba import prange, types
 from . import _layout, _threads
 from ._args import rows as _args
 from ._dispatch import Route, array_type, rows_writable
-from ._kernel import assume_contiguous, from_f32, kernel, kernel_view, to_f32
+from ._kernel import assume_contiguous, call_any_layout, from_f32, kernel, kernel_view, to_f32
 from ._quantized import QTYPE_CODES, Quantized
 from .quant import blocks_fill, quantize_row
 
 _ND = np.ndarray
 _UINT8 = np.dtype(np.uint8)
+_ANY3 = (0, 1, 2)  # the drivers' dst, src and idx, typed any layout (``call_any_layout``)
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio
 
@@ -62,6 +63,18 @@ def _owner(row, n_workers):
 
 
 @kernel
+def _copy_any_row(src_row, dst_row):
+    """``_copy_row`` on rows of any layout: typed contiguous when their elements are adjacent (the conversion
+    vectorises, and the route's calls share that compiled code)."""
+    if (src_row.shape[0] <= 1 or (src_row.strides[0] == src_row.itemsize
+                                  and dst_row.strides[0] == dst_row.itemsize)):
+        _copy_row(assume_contiguous(src_row), assume_contiguous(dst_row))
+    else:
+        _copy_row(src_row, dst_row)
+
+
+# The drivers take any-layout arrays (``_write_blocks``' callers): one compiled driver per dtype combination.
+@kernel
 def _set_rows_serial(dst, src, idx):
     bad = _first_bad(idx, dst.shape[1])
     if bad >= 0:
@@ -69,7 +82,7 @@ def _set_rows_serial(dst, src, idx):
     for b in range(src.shape[0]):
         rows = idx[b % idx.shape[0]]
         for i in range(src.shape[1]):
-            _copy_row(src[b, i], dst[b, rows[i]])
+            _copy_any_row(src[b, i], dst[b, rows[i]])
     return -1
 
 
@@ -84,7 +97,7 @@ def _set_rows_parallel(dst, src, idx, n_workers):
             rows = idx[b % idx.shape[0]]
             for i in range(src.shape[1]):
                 if _owner(b * n_rows + rows[i], n_workers) == t:
-                    _copy_row(src[b, i], dst[b, rows[i]])
+                    _copy_any_row(src[b, i], dst[b, rows[i]])
     return -1
 
 
@@ -233,8 +246,9 @@ def set_rows(dst: np.ndarray, src: np.ndarray, idx: np.ndarray) -> np.ndarray:
         if bad is not None:
             raise _args.index_error(idx, n_rows, bad)
     if n_workers == 1:
-        _write_blocks(blocks, idx, n_rows, _set_rows_serial)
+        _write_blocks(blocks, idx, n_rows, lambda dk, sk, ik: call_any_layout(_set_rows_serial, _ANY3, dk, sk, ik))
     else:
         with _threads.team("set_rows", src.size * (src.itemsize + dst.itemsize), n_workers) as launch:
-            _write_blocks(blocks, idx, n_rows, lambda dk, sk, ik: _set_rows_parallel(dk, sk, ik, launch.n))
+            _write_blocks(blocks, idx, n_rows,
+                          lambda dk, sk, ik: call_any_layout(_set_rows_parallel, _ANY3, dk, sk, ik, launch.n))
     return dst

@@ -446,3 +446,83 @@ def _error_of(call) -> tuple[type, str] | None:
     except (ValueError, TypeError) as error:
         return type(error), str(error)
     return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A route and the general path share their compiled kernels: the general drivers type their arrays any-layout as
+# the entry points do, so a call of one after a call of the other compiles nothing new.
+def _signature_counts(kernels) -> list[int]:
+    return [len(k.signatures) for k in kernels]
+
+
+def _share_rope_fused():
+    from fastattn import _rope_drivers
+    n, h, d = 2 * CACHE_BLOCK, 2, 64
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((n, h, d)).astype(np.float32)
+    pos = np.arange(n, dtype=np.int32)
+    kwargs = dict(n_dims=d, mode=NEOX, freq_base=10000.0)
+    dst = np.zeros((n + 4, h, d), np.float16)
+    idx = np.arange(n, dtype=np.int64) + 2
+    return (_rope_drivers._fused_tasks, _rope_drivers.drive_fused), [
+        lambda: fastattn.rope_ext(x, pos, **kwargs), lambda: fastattn.rope_set_rows(dst, x, pos, idx, **kwargs)]
+
+
+def _share_rope_cached_prefill():
+    from fastattn import _rope_drivers
+    n, h, d = 2 * CACHE_BLOCK, 2, 64
+    x = np.random.default_rng(4).standard_normal((n, h, d)).astype(np.float16)
+    cache = fastattn.rope_cache(np.arange(n, dtype=np.int32), n_dims=d, mode=NEOX)
+    return (_rope_drivers._cached_tasks, _rope_drivers.drive_parallel), [lambda: fastattn.apply_rope_cache(x, cache)]
+
+
+def _share_norm():
+    from fastattn import norm
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    w = rng.standard_normal(64).astype(np.float16)
+    return (norm._norm_vec,), [lambda: fastattn.rms_norm_mul(x, w, 1e-5), lambda: fastattn.rms_norm(x, 1e-5)]
+
+
+def _share_set_rows():
+    from fastattn import rows
+    rng = np.random.default_rng(6)
+    dst = np.zeros((16, 64), np.float16)
+    src = rng.standard_normal((4, 64)).astype(np.float32)
+    idx = np.array([3, 1, 8, 2], np.int32)
+    return (rows._copy_row,), [lambda: fastattn.set_rows(dst, src, idx)]
+
+
+@pytest.mark.parametrize("make", [_share_rope_fused, _share_rope_cached_prefill, _share_norm, _share_set_rows],
+                         ids=["rope.fused", "rope.cached_prefill", "norm.rows", "set_rows.rows"])
+def test_a_route_and_the_general_path_share_their_compiled_kernels(make):
+    kernels, calls = make()
+    with fastattn.num_threads(min(2, _threads.max_threads())), parallel_min_bytes(0):
+        with general_only():
+            for call in calls:
+                call()
+        compiled = _signature_counts(kernels)
+        forget_routes()
+        for call in calls:
+            call()  # the route's entry points, compiled now, call the kernels the general path compiled
+    assert _signature_counts(kernels) == compiled
+
+
+def test_row_sliced_views_share_the_contiguous_rows_kernels():
+    """A view whose rows lie apart but whose elements are adjacent runs the same compiled row code as a
+    C-contiguous array (and vectorises)."""
+    from fastattn import norm, rows
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((16, 64)).astype(np.float32)
+    w = np.ones(64, np.float32)
+    dst = np.zeros((32, 64), np.float32)
+    idx = np.arange(8, dtype=np.int64)
+    with general_only():
+        fastattn.rms_norm_mul(x[:8], w, 1e-5)
+        fastattn.set_rows(dst[:16], x[:8], idx)
+        compiled = _signature_counts((norm._norm_serial, norm._norm_vec, rows._set_rows_serial, rows._copy_row))
+        got = fastattn.rms_norm_mul(x[::2], w, 1e-5)
+        fastattn.set_rows(dst[::2], x[::2], idx)
+    assert _signature_counts((norm._norm_serial, norm._norm_vec, rows._set_rows_serial, rows._copy_row)) == compiled
+    np.testing.assert_array_equal(got, fastattn.rms_norm_mul(np.ascontiguousarray(x[::2]), w, 1e-5))
+    np.testing.assert_array_equal(dst[::2][:8], x[::2])
