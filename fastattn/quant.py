@@ -29,8 +29,8 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 
 from . import _layout, _threads
-from ._kernel import (_f16_bits_to_f32, _f32_to_f16_bits, assume_contiguous, call_any_layout, kernel, kernel_view,
-                      to_f32)
+from ._kernel import (_f16_bits_to_f32, _f32_to_f16_bits, any_layout, assume_contiguous, call_any_layout, kernel,
+                      kernel_view, to_f32)
 from ._quantized import BLOCK, BLOCK_BYTES, QTYPE_CODES, Quantized, quantized_array, values_array
 from ._simd import KERNEL_DTYPES, LANES, V8, as_int64, const, load8, shuffle, splat
 
@@ -347,14 +347,21 @@ def blocks_fill(n_values, n_bytes, code):
     return n_values % BLOCK == 0 and n_bytes == n_values // BLOCK * (Q8_0_BYTES if code == Q8_0 else Q4_0_BYTES)
 
 
-@kernel(inline=True, exact=True)
-def quantize_row(x, out, code):
-    """One row of values (a multiple of 32) into its blocks of type ``code`` (Q8_0 or Q4_0); a unit-stride row
-    is retyped contiguous and its blocks quantized in explicit vectors."""
+@kernel(exact=True, llvm_inline=True)
+def _quantize_any_row(x, out, code):
+    """``quantize_row`` on rows typed any layout: compiled once per element type of x and shared by every kernel
+    that quantizes (the callers' row types differ only in layout), then inlined by LLVM into each."""
     if x.strides[0] == x.itemsize:
         _blocks_of_contiguous_row(assume_contiguous(x), assume_contiguous(out), code)
     else:
         _blocks_of_row(x, assume_contiguous(out), code)
+
+
+@kernel(inline=True, exact=True)
+def quantize_row(x, out, code):
+    """One row of values (a multiple of 32) into its blocks of type ``code`` (Q8_0 or Q4_0) at ``out`` (bytes,
+    contiguous); a unit-stride row is retyped contiguous and its blocks quantized in explicit vectors."""
+    _quantize_any_row(any_layout(x), any_layout(out), code)
 
 
 # ---------------------------------------------------------------------------------------------------------------
