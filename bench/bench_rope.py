@@ -202,3 +202,18 @@ def test_rope_set_rows_decode(benchmark, path, threads):
            "apply_rope_cache + set_rows": separate}
     measure(benchmark, fns[path], group=f"rope_set_rows decode K (1,{H_KV},{D}) -> f16 cache, prebuilt cache",
             threads=threads, nbytes=k.nbytes + H_KV * D * 2)
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("path", ["rope_set_rows (fused)", "rope_cache + apply_rope_cache_set_rows"])
+def test_rope_set_rows_decode_positions(benchmark, path, threads):
+    """A decode step's K write from its position alone: the fused route makes one token's cos/sin in the pass."""
+    k = _data((1, H_KV, D))
+    pos = np.array([DECODE_POS], np.int32)
+    kv = np.zeros((2 * CACHE_ROWS, H_KV * D), np.float16)
+    idx = np.array([DECODE_POS], np.int64)
+    fns = {"rope_set_rows (fused)": lambda: fastattn.rope_set_rows(kv, k, pos, idx, **NEOX),
+           "rope_cache + apply_rope_cache_set_rows": lambda: fastattn.apply_rope_cache_set_rows(
+               kv, k, fastattn.rope_cache(pos, **NEOX), idx)}
+    measure(benchmark, fns[path], group=f"rope_set_rows decode K (1,{H_KV},{D}) -> f16 cache, from positions",
+            threads=threads, nbytes=k.nbytes + H_KV * D * 2)

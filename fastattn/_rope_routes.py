@@ -2,8 +2,9 @@
 
 - ``rope.cached``: a decode-sized call with a prebuilt cos/sin table ``cs`` (``apply_rope_cache`` on 3-D x), run
   serially on the calling thread.
-- ``rope.fused``: a prefill-sized call at int32 positions of one stream (``rope_ext`` on 3-D x), cos/sin made in
-  the same pass on ``n_threads`` threads (``_rope_drivers.drive_fused``).
+- ``rope.fused``: a call at int32 positions of one stream (``rope_ext`` on 3-D x), cos/sin made in the same pass:
+  a prefill on ``n_threads`` threads (``_rope_drivers.drive_fused``), a decode step on the calling thread (the
+  same unit, called directly).
 - ``rope.cached_quantized``: ``rope.cached``'s set-rows variant into a ``Quantized`` cache (its bytes): each
   token rotated into a scratch, its head rows quantized into the cache row.
 - ``rope.cached_prefill``: a prefill-sized ``apply_rope_cache`` on 3-D x, on threads (``drive_parallel``): right
@@ -26,8 +27,7 @@ from numba.extending import overload
 
 from ._dispatch import (Route, aligned, array_type, c_contiguous, meta, overlaps, rows_writable, same_view,
                         unit_rows)
-from ._kernel import any_layout, assume_contiguous, use_threads
-from ._rope_cache import CACHE_BLOCK
+from ._kernel import any_layout, assume_contiguous, call_unit, use_threads
 from ._rope_drivers import CACHED_UNIT, FUSED_UNIT, drive_fused, drive_parallel
 from ._rope_rotate import _EXACT, _INLINE, _PICK, ROWS_UNIT, rope_block, token_layout_of
 from ._validate import FLOAT32
@@ -195,16 +195,21 @@ def _fused_tokens(unit, x, out, pos, plan, min_bytes, n_threads):
     """``rope_ext``: out (N, H, D) of x's dtype (x itself in place), unless it declines."""
     streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved, n_dims = plan
     n_tokens, _, head_dim = x.shape
-    if out.shape != x.shape or 2 * x.size * x.itemsize < min_bytes:
+    if out.shape != x.shape:
         return False
     mx, mo, mp = meta(x), meta(out), meta(pos)
     in_place = same_view(mo, mx)
     if (overlaps(mo, mx) and not in_place) or overlaps(mo, mp) or not (aligned(mx) and aligned(mo)):
         return False
+    x4, out4, pos2 = x[np.newaxis], out[np.newaxis], pos[np.newaxis]
+    layout = token_layout_of(mx, mo, head_dim)
+    if n_threads == 1 or 2 * x.size * x.itemsize < min_bytes:  # a decode step: the unit on this thread
+        call_unit(unit, (x4, out4, None, None, pos2, streams, w, step_cos, step_sin, cos_scale, sin_scale,
+                         interleaved, in_place, layout, np.zeros(1, np.int64)))
+        return True
     use_threads(n_threads)
-    drive_fused(unit, x[np.newaxis], out[np.newaxis], None, None, pos[np.newaxis], streams, w, step_cos, step_sin,
-                cos_scale, sin_scale, interleaved, in_place, token_layout_of(mx, mo, head_dim),
-                np.zeros(1, np.int64), n_threads)
+    drive_fused(unit, x4, out4, None, None, pos2, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
+                in_place, layout, np.zeros(1, np.int64), n_threads)
     return True
 
 
@@ -218,18 +223,23 @@ def _fused_write(unit, x, dst, idx, pos, plan, min_bytes, n_threads):
     md, mx, mi, mp = meta(dst), meta(x), meta(idx), meta(pos)
     if (dst.size != n_rows * n_heads * head_dim or dst.shape[dst.ndim - 1] != (head_dim if dst.ndim == 3 else
                                                                                  n_heads * head_dim)
-            or idx.shape[0] != n_tokens or x.size * (x.itemsize + dst.itemsize) < min_bytes):
+            or idx.shape[0] != n_tokens):
         return False
     if not (c_contiguous(md) and aligned(mx) and aligned(mi)):
         return False
     if overlaps(md, mx) or overlaps(md, mi) or overlaps(md, mp) or not _increasing_in(idx, n_rows):
         return False
-    use_threads(n_threads)
     # (R, H, D), typed as the general path's (R, H, D) caches are: one compiled _fused_tasks for both
     rows = any_layout(assume_contiguous(dst).reshape((n_rows, n_heads, head_dim)))
-    drive_fused(unit, x[np.newaxis], rows, idx, np.ones(n_tokens, np.bool_), pos[np.newaxis], streams, w, step_cos,
-                step_sin, cos_scale, sin_scale, interleaved, np.bool_(False),
-                token_layout_of(mx, meta(rows), head_dim), np.zeros(1, np.int64), n_threads)
+    x4, keep, pos2 = x[np.newaxis], np.ones(n_tokens, np.bool_), pos[np.newaxis]
+    layout = token_layout_of(mx, meta(rows), head_dim)
+    if n_threads == 1 or x.size * (x.itemsize + dst.itemsize) < min_bytes:  # a decode step: on this thread
+        call_unit(unit, (x4, rows, idx, keep, pos2, streams, w, step_cos, step_sin, cos_scale, sin_scale,
+                         interleaved, np.bool_(False), layout, np.zeros(1, np.int64)))
+        return True
+    use_threads(n_threads)
+    drive_fused(unit, x4, rows, idx, keep, pos2, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
+                np.bool_(False), layout, np.zeros(1, np.int64), n_threads)
     return True
 
 
@@ -251,12 +261,11 @@ def _fused_variant_impl(unit, x, out, idx, pos, plan, min_bytes, n_threads):
 def fused_entry(unit, x, out, idx, pos, plan, min_bytes, n_threads):
     """RoPE of x (N, H, D) at positions pos (N,) (one stream: NORMAL or NEOX) with cos/sin made in the pass
     (``plan``: the parameters' tables, ``_args.rope.RopeParams.plan``), into out (idx None) or rows idx of the
-    cache out, on ``n_threads`` threads. Returns
-    False, having written nothing, unless pos has one position per token, n_dims <= D, there are two cache
-    blocks of tokens or more moving at least ``min_bytes``, every array is aligned and out overlaps none of the
+    cache out, on ``n_threads`` threads, or on the calling thread (the unit called directly) when
+    ``n_threads`` is 1 or fewer than ``min_bytes`` move (a decode step). Returns False, having written nothing,
+    unless pos has one position per token, n_dims <= D, every array is aligned and out overlaps none of the
     inputs (unless it is x, in place); with idx: out C-contiguous and idx strictly increasing within range."""
-    if (pos.shape[0] != x.shape[0] or x.shape[2] < plan[7] or x.shape[0] < 2 * CACHE_BLOCK
-            or not aligned(meta(pos))):
+    if pos.shape[0] != x.shape[0] or x.shape[2] < plan[7] or not aligned(meta(pos)):
         return False
     return _fused_variant(unit, x, out, idx, pos, plan, min_bytes, n_threads)
 

@@ -217,9 +217,9 @@ def _team(op: str, nbytes: int) -> _threads.Launch:
 
 
 def _fused_fits(x: np.ndarray, pos: np.ndarray, params: _args.RopeParams) -> bool:
-    """A parsed call the route ``rope.fused`` may take: 3-D x of two cache blocks of tokens or more, one stream
-    of int32 positions (NORMAL or NEOX: the other modes' sections need four)."""
-    return (x.ndim == 3 and x.shape[0] >= 2 * CACHE_BLOCK and pos.ndim == 1 and pos.dtype == _INT32
+    """A parsed call the route ``rope.fused`` may take: 3-D x of one token or more, one stream of int32 positions
+    (NORMAL or NEOX: the other modes' sections need four)."""
+    return (x.ndim == 3 and x.shape[0] > 0 and pos.ndim == 1 and pos.dtype == _INT32
             and params.n_streams == 1)
 
 
@@ -270,10 +270,10 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
     multi-position modes. backward: the inverse rotation. out: None, ``x`` (in place) or an array like ``x``.
     Returns the rotated array, ``x``'s dtype."""
     if (sections is None and x.__class__ is _ND and pos.__class__ is _ND and x.ndim == 3 and pos.ndim == 1
-            and pos.dtype is _INT32 and x.shape[0] >= 2 * CACHE_BLOCK and (out is None or (
+            and pos.dtype is _INT32 and x.shape[0] > 0 and (out is None or (
                 out.__class__ is _ND and out.ndim == 3 and out.dtype is x.dtype and out.flags.writeable))):
         entry = FUSED.get((x.dtype, x.dtype, 3, None))  # the route (see _dispatch)
-        params = None if entry is None else _args.known_params(
+        params = None if entry is None or _overlaps_factors(out, freq_factors) else _args.known_params(
             n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
             freq_factors, sections, backward)
         if params is not None:
@@ -290,12 +290,13 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
     out = _args.parse_out(out, x, dtypes=(x.dtype,), reads=(("pos", pos), ("freq_factors", freq_factors)))
     y = np.empty(x.shape, x.dtype) if out is None else out
     nbytes = 2 * x.nbytes
-    if nbytes >= _threads.PARALLEL_MIN_BYTES and x.shape[-3] >= 2 * CACHE_BLOCK:
+    if _fused_fits(x, pos, params):
         with _team("rope_ext", nbytes) as launch:
-            if _fused_fits(x, pos, params) and FUSED.run((x.dtype, x.dtype, 3, None), x, y, None, pos, params.plan,
-                                                         _threads.PARALLEL_MIN_BYTES, launch.n):
+            if FUSED.run((x.dtype, x.dtype, 3, None), x, y, None, pos, params.plan, _threads.PARALLEL_MIN_BYTES,
+                         launch.n):
                 return y
             launch.cancel()
+    if nbytes >= _threads.PARALLEL_MIN_BYTES and x.shape[-3] >= 2 * CACHE_BLOCK:
         n_threads = _threads.threads_for(nbytes)
         x4, y4 = _as_4d(x), _as_4d(y)
         if n_threads > 1 and x4 is not None and y4 is not None:  # one pass: cos/sin made per block of tokens
@@ -310,6 +311,12 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
             return y
     _rotate(x, y, build_cs(streams, params), params.pairing)
     return y
+
+
+def _overlaps_factors(out: np.ndarray | None, freq_factors) -> bool:
+    """``out`` shares memory with ``freq_factors``: the route reads its copy in the parameters' plan, so such a
+    call is left to the general path, which refuses it."""
+    return out is not None and freq_factors is not None and np.may_share_memory(out, freq_factors)
 
 
 def _fused_rows(dst: np.ndarray, x: np.ndarray) -> np.ndarray | None:
@@ -337,13 +344,13 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
     nothing written); duplicates: the last wins. Returns ``dst``."""
     if (sections is None and dst.__class__ is _ND and x.__class__ is _ND and pos.__class__ is _ND
             and idx.__class__ is _ND and x.ndim == 3 and pos.ndim == 1 and pos.dtype is _INT32 and idx.ndim == 1
-            and x.shape[0] >= 2 * CACHE_BLOCK and dst.flags.writeable):
+            and x.shape[0] > 0 and dst.flags.writeable):
         entry = FUSED.get((x.dtype, dst.dtype, 3, _INT64))  # the route (see _dispatch)
         rows = None if entry is None else _fused_rows(dst, x)
         # int32 indices are copied: the entry could no longer see them overlap dst, so that case is left to the
         # general path, which refuses it
         idx64 = idx if idx.dtype is _INT64 else None if np.may_share_memory(idx, dst) else idx.astype(_INT64)
-        params = None if rows is None or idx64 is None else _args.known_params(
+        params = None if rows is None or idx64 is None or _overlaps_factors(dst, freq_factors) else _args.known_params(
             n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
             freq_factors, sections, backward)
         if params is not None:
@@ -361,18 +368,18 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
     if dst.__class__ is Quantized:
         _write_quantized(dst, dst3, x, idx, build_cs(streams, params), params)
         return dst
-    key = (x.dtype, dst.dtype, dst.ndim, idx.dtype)
-    if x.size * (x.itemsize + dst.itemsize) < _threads.PARALLEL_MIN_BYTES:
-        cs = build_cs(streams, params)
-        if not CACHED.run(key, x, dst, idx, cs, params.pairing, _threads.PARALLEL_MIN_BYTES):
-            _write_rows(dst3, x, idx, params, cs=cs)
-        return dst
     if _fused_fits(x, pos, params):
         with _team("rope_set_rows", x.size * (x.itemsize + dst.itemsize)) as launch:
             if FUSED.run((x.dtype, dst.dtype, 3, _INT64), x, dst3, idx.astype(_INT64, copy=False), pos, params.plan,
                          _threads.PARALLEL_MIN_BYTES, launch.n):
                 return dst
             launch.cancel()
+    if x.size * (x.itemsize + dst.itemsize) < _threads.PARALLEL_MIN_BYTES:
+        cs = build_cs(streams, params)
+        if not CACHED.run((x.dtype, dst.dtype, dst.ndim, idx.dtype), x, dst, idx, cs, params.pairing,
+                          _threads.PARALLEL_MIN_BYTES):
+            _write_rows(dst3, x, idx, params, cs=cs)
+        return dst
     _write_rows(dst3, x, idx, params, pos=streams)
     return dst
 

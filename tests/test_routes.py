@@ -188,7 +188,9 @@ def rope_cached_prefill(draw):
 def rope_fused(draw):
     mode = draw(st.sampled_from((fastattn.ROPE_NORMAL, NEOX)))
     kwargs, d, _ = draw(rope_configs(mode=mode))
-    n, h = draw(st.integers(2 * CACHE_BLOCK, 2 * CACHE_BLOCK + 70)), draw(st.integers(1, 3))
+    # decode steps (on the calling thread) and prefills (on threads from PARALLEL_MIN_BYTES)
+    n = draw(st.one_of(st.integers(1, 3), st.integers(2 * CACHE_BLOCK, 2 * CACHE_BLOCK + 70)))
+    h = draw(st.integers(1, 3))
     pos = positions(1, n, np.random.default_rng(draw(st.integers(0, 2**16))), draw(
         st.sampled_from(("small", "large", "runs"))))
     threads = draw(st.sampled_from((1, 2)))
