@@ -297,6 +297,30 @@ def any_layout(typingctx, a):
     return a.copy(layout="A", readonly=False)(a), codegen
 
 
+@intrinsic
+def rows_if(typingctx, a, adjacent):
+    """``a`` retyped C-contiguous (``assume_contiguous``) when ``adjacent`` is a boolean, as it is when
+    ``adjacent`` is None: the Python side passes True after checking that every row's elements are adjacent
+    (``adjacent_rows``), so a driver compiled for any-layout arrays compiles only the row code a call runs."""
+    if not isinstance(a, types.Array):
+        raise TypingError("rows_if: expected an array")
+    typ = a if isinstance(adjacent, types.NoneType) else a.copy(layout="C")
+
+    def codegen(context, builder, signature, args):
+        return impl_ret_borrowed(context, builder, signature.return_type, args[0])
+
+    return typ(a, adjacent), codegen
+
+
+def adjacent_rows(*arrays) -> bool | None:
+    """True when every array (None: absent) has adjacent elements along its last axis, else None: the
+    ``adjacent`` argument of kernels that use ``rows_if``."""
+    for a in arrays:
+        if a is not None and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+            return None
+    return True
+
+
 _any_layout_entries: dict = {}
 
 

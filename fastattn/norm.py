@@ -13,8 +13,9 @@ float32 sum of two half values rounds correctly, since 24 >= 2*11 + 2) and then 
 Layout: the leading axes are merged into one (``_layout.merge_leading``, never a copy), so each kernel sees 2-D
 ``(rows, D)`` arrays of any strides plus a 2-D weight ``(W, Dw)``: row ``r`` uses weight row ``r % W`` and column
 ``j`` uses weight column ``j % Dw`` (ggml's repeat). Half-precision arrays enter as 16-bit integer views
-(``kernel_view``). The drivers are compiled once per dtype combination for any-layout arrays; each row whose
-elements are adjacent is retyped contiguous (``assume_contiguous``), so both passes vectorise on it.
+(``kernel_view``). The drivers are compiled for any-layout arrays; when every row's elements are adjacent
+(``_kernel.adjacent_rows``, checked in Python) the rows are retyped contiguous (``_kernel.rows_if``), so both
+passes vectorise, else they are read through their strides: at most two compiled drivers per dtype combination.
 
 In place (``out`` is ``x``) the scaling loop reads and writes ``out``'s row alone: with two arrays pointing at the
 same row, LLVM's runtime overlap check would send it down its scalar version.
@@ -33,7 +34,8 @@ from numba import prange, types
 from . import _layout, _threads
 from ._args import norm as _args
 from ._dispatch import Route, array_type, meta, overlaps, same_view, unit_rows
-from ._kernel import assume_contiguous, call_any_layout, from_f32, kernel, kernel_view, to_f32
+from ._kernel import (adjacent_rows, assume_contiguous, call_any_layout, from_f32, kernel, kernel_view, rows_if,
+                      to_f32)
 from ._validate import FLOAT32_MAX
 
 _ND = np.ndarray
@@ -95,75 +97,53 @@ def _norm_vec(xr, wr, yr, eps):
 
 
 @kernel
-def _unit_stride(row):
-    """A 1-D row whose elements are adjacent."""
-    return row.shape[0] <= 1 or row.strides[0] == row.itemsize
-
-
-@kernel
-def _norm_row(x, w, out, eps, r):
-    """``out[r] = x[r] / sqrt(mean(x[r]**2) + eps) * w[r % W]`` (no weight when ``w`` is None). Rows whose
-    elements are adjacent go to ``_norm_vec`` typed contiguous (its loops vectorise; the route's calls share that
-    compiled code), the others as they are."""
-    xr = x[r]
-    yr = out[r]
+def _norm_row(x, w, out, eps, r, adjacent):
+    """``out[r] = x[r] / sqrt(mean(x[r]**2) + eps) * w[r % W]`` (no weight when ``w`` is None). ``adjacent``
+    True: every row's elements are adjacent, and the rows go to ``_norm_vec`` typed contiguous (its loops
+    vectorise; the route's calls share that compiled code); None: as they are."""
     if w is None:
-        if _unit_stride(xr) and _unit_stride(yr):
-            _norm_vec(assume_contiguous(xr), None, assume_contiguous(yr), eps)
-        else:
-            _norm_vec(xr, None, yr, eps)
+        _norm_vec(rows_if(x[r], adjacent), None, rows_if(out[r], adjacent), eps)
     else:
-        wr = w[r % w.shape[0]]
-        if _unit_stride(xr) and _unit_stride(yr) and _unit_stride(wr):
-            _norm_vec(assume_contiguous(xr), assume_contiguous(wr), assume_contiguous(yr), eps)
-        else:
-            _norm_vec(xr, wr, yr, eps)
+        _norm_vec(rows_if(x[r], adjacent), rows_if(w[r % w.shape[0]], adjacent), rows_if(out[r], adjacent), eps)
 
 
 @kernel
-def _add_vec(xr, rr, sr):
+def _add_row(x, residual, s, r, adjacent):
+    xr = rows_if(x[r], adjacent)
+    rr = rows_if(residual[r], adjacent)
+    sr = rows_if(s[r], adjacent)
     for j in range(xr.shape[0]):
         sr[j] = from_f32(to_f32(xr[j]) + to_f32(rr[j]), sr)
 
 
+# The drivers take any-layout arrays and ``adjacent`` (``_kernel.adjacent_rows``): at most two compiled drivers
+# per dtype combination, whatever the strides. Rows are int64 in both (a prange index is unsigned, and would
+# compile the row functions again).
 @kernel
-def _add_row(x, residual, s, r):
-    xr = x[r]
-    rr = residual[r]
-    sr = s[r]
-    if _unit_stride(xr) and _unit_stride(rr) and _unit_stride(sr):
-        _add_vec(assume_contiguous(xr), assume_contiguous(rr), assume_contiguous(sr))
-    else:
-        _add_vec(xr, rr, sr)
-
-
-# The drivers take any-layout arrays (``_norm_rows_with``): one compiled driver per dtype combination. Rows are
-# int64 in both (a prange index is unsigned, and would compile the row functions again).
-@kernel
-def _norm_serial(x, w, out, eps):
+def _norm_serial(x, w, out, eps, adjacent):
     for r in range(x.shape[0]):
-        _norm_row(x, w, out, eps, r)
+        _norm_row(x, w, out, eps, r, adjacent)
 
 
 @kernel(parallel=True)
-def _norm_parallel(x, w, out, eps):
+def _norm_parallel(x, w, out, eps, adjacent):
     for r in prange(x.shape[0]):
-        _norm_row(x, w, out, eps, np.int64(r))
+        _norm_row(x, w, out, eps, np.int64(r), adjacent)
 
 
 @kernel
-def _add_norm_serial(x, residual, w, s, out, eps):
+def _add_norm_serial(x, residual, w, s, out, eps, adjacent):
     for r in range(x.shape[0]):
-        _add_row(x, residual, s, r)
-        _norm_row(s, w, out, eps, r)
+        _add_row(x, residual, s, r, adjacent)
+        _norm_row(s, w, out, eps, r, adjacent)
 
 
 @kernel(parallel=True)
-def _add_norm_parallel(x, residual, w, s, out, eps):
+def _add_norm_parallel(x, residual, w, s, out, eps, adjacent):
     for r in prange(x.shape[0]):
         i = np.int64(r)
-        _add_row(x, residual, s, i)
-        _norm_row(s, w, out, eps, i)
+        _add_row(x, residual, s, i, adjacent)
+        _norm_row(s, w, out, eps, i, adjacent)
 
 
 @kernel
@@ -274,10 +254,11 @@ def _norm_rows_with(run, x: np.ndarray, w: np.ndarray | None, out: np.ndarray, e
     """``run`` (a norm kernel) over x's rows into out."""
     if x.ndim == 2 and (w is None or w.ndim == 1):  # the common case directly: the generic merge costs a fifth
         call_any_layout(run, _ANY3, kernel_view(x), None if w is None else kernel_view(w)[None], kernel_view(out),
-                        eps)
+                        eps, adjacent_rows(x, w, out))
         return
     for (xk, ok), weights in _blocks([x, out], w):
-        call_any_layout(run, _ANY3, xk, None if w is None else weights[0], ok, eps)
+        wk = None if w is None else weights[0]
+        call_any_layout(run, _ANY3, xk, wk, ok, eps, adjacent_rows(xk, wk, ok))
 
 
 def add_rms_norm_mul(x: np.ndarray, residual: np.ndarray, w: np.ndarray, eps: float,
@@ -298,9 +279,10 @@ def add_rms_norm_mul(x: np.ndarray, residual: np.ndarray, w: np.ndarray, eps: fl
     n = _threads.threads_for(4 * x.nbytes)
     if n == 1:
         for (xk, rk, sk, ok), (wk,) in _blocks([x, residual, sum_out, out], w):
-            call_any_layout(_add_norm_serial, _ANY5, xk, rk, wk, sk, ok, eps)
+            call_any_layout(_add_norm_serial, _ANY5, xk, rk, wk, sk, ok, eps, adjacent_rows(xk, rk, wk, sk, ok))
     else:
         with _threads.team("add_rms_norm_mul", 4 * x.nbytes, n):
             for (xk, rk, sk, ok), (wk,) in _blocks([x, residual, sum_out, out], w):
-                call_any_layout(_add_norm_parallel, _ANY5, xk, rk, wk, sk, ok, eps)
+                call_any_layout(_add_norm_parallel, _ANY5, xk, rk, wk, sk, ok, eps,
+                                adjacent_rows(xk, rk, wk, sk, ok))
     return sum_out, out

@@ -27,7 +27,8 @@ from numba import prange, types
 from . import _layout, _threads
 from ._args import rows as _args
 from ._dispatch import Route, array_type, rows_writable
-from ._kernel import assume_contiguous, call_any_layout, from_f32, kernel, kernel_view, to_f32
+from ._kernel import (adjacent_rows, assume_contiguous, call_any_layout, from_f32, kernel, kernel_view, rows_if,
+                      to_f32)
 from ._quantized import QTYPE_CODES, Quantized
 from .quant import blocks_fill, quantize_row
 
@@ -62,32 +63,23 @@ def _owner(row, n_workers):
     return np.int64((mixed * np.uint64(n_workers)) >> np.uint64(32))
 
 
+# The drivers take any-layout arrays and ``adjacent`` (``_kernel.adjacent_rows``): at most two compiled drivers
+# per dtype combination; with adjacent elements the rows are retyped contiguous and the conversion vectorises
+# (the route's calls share that compiled ``_copy_row``).
 @kernel
-def _copy_any_row(src_row, dst_row):
-    """``_copy_row`` on rows of any layout: typed contiguous when their elements are adjacent (the conversion
-    vectorises, and the route's calls share that compiled code)."""
-    if (src_row.shape[0] <= 1 or (src_row.strides[0] == src_row.itemsize
-                                  and dst_row.strides[0] == dst_row.itemsize)):
-        _copy_row(assume_contiguous(src_row), assume_contiguous(dst_row))
-    else:
-        _copy_row(src_row, dst_row)
-
-
-# The drivers take any-layout arrays (``_write_blocks``' callers): one compiled driver per dtype combination.
-@kernel
-def _set_rows_serial(dst, src, idx):
+def _set_rows_serial(dst, src, idx, adjacent):
     bad = _first_bad(idx, dst.shape[1])
     if bad >= 0:
         return bad
     for b in range(src.shape[0]):
         rows = idx[b % idx.shape[0]]
         for i in range(src.shape[1]):
-            _copy_any_row(src[b, i], dst[b, rows[i]])
+            _copy_row(rows_if(src[b, i], adjacent), rows_if(dst[b, rows[i]], adjacent))
     return -1
 
 
 @kernel(parallel=True)
-def _set_rows_parallel(dst, src, idx, n_workers):
+def _set_rows_parallel(dst, src, idx, adjacent, n_workers):
     bad = _first_bad(idx, dst.shape[1])
     if bad >= 0:
         return bad
@@ -97,7 +89,7 @@ def _set_rows_parallel(dst, src, idx, n_workers):
             rows = idx[b % idx.shape[0]]
             for i in range(src.shape[1]):
                 if _owner(b * n_rows + rows[i], n_workers) == t:
-                    _copy_any_row(src[b, i], dst[b, rows[i]])
+                    _copy_row(rows_if(src[b, i], adjacent), rows_if(dst[b, rows[i]], adjacent))
     return -1
 
 
@@ -245,10 +237,12 @@ def set_rows(dst: np.ndarray, src: np.ndarray, idx: np.ndarray) -> np.ndarray:
         bad = _args.first_bad_index(idx, n_rows)
         if bad is not None:
             raise _args.index_error(idx, n_rows, bad)
+    adjacent = adjacent_rows(dst, src)
     if n_workers == 1:
-        _write_blocks(blocks, idx, n_rows, lambda dk, sk, ik: call_any_layout(_set_rows_serial, _ANY3, dk, sk, ik))
+        _write_blocks(blocks, idx, n_rows,
+                      lambda dk, sk, ik: call_any_layout(_set_rows_serial, _ANY3, dk, sk, ik, adjacent))
     else:
         with _threads.team("set_rows", src.size * (src.itemsize + dst.itemsize), n_workers) as launch:
-            _write_blocks(blocks, idx, n_rows,
-                          lambda dk, sk, ik: call_any_layout(_set_rows_parallel, _ANY3, dk, sk, ik, launch.n))
+            _write_blocks(blocks, idx, n_rows, lambda dk, sk, ik: call_any_layout(
+                _set_rows_parallel, _ANY3, dk, sk, ik, adjacent, launch.n))
     return dst

@@ -251,7 +251,7 @@ def test_contiguous_float32_kernel_vectorises():
     norm = sys.modules[fastattn.rms_norm.__module__]
     uncached = numba.njit(**dict(KERNEL_OPTIONS, cache=False))(norm._norm_serial.py_func)
     any_2d = numba.types.Array(numba.types.float32, 2, "A")
-    uncached.compile((any_2d, any_2d, any_2d, numba.types.float64))
+    uncached.compile((any_2d, any_2d, any_2d, numba.types.float64, numba.types.boolean))  # adjacent rows
     asm = uncached.inspect_asm(uncached.signatures[0])
     assert re.search(r"vcvtps2pd\s+.*ymm", asm), "the float64 sum of squares did not vectorise"
     assert re.search(r"vmulps\s+.*ymm", asm), "the scaling loop did not vectorise"

@@ -172,11 +172,16 @@ def test_read_only_dst_is_refused():
 
 
 def test_contiguous_float32_to_float16_rows_vectorise():
-    """The 0.1 ms target needs 8-wide F16C conversion (``vcvtps2ph ... ymm``; checked on an uncached copy)."""
+    """The 0.1 ms target needs 8-wide F16C conversion (``vcvtps2ph ... ymm``; checked on an uncached copy,
+    compiled for any-layout arrays with adjacent rows as the general path calls it)."""
+    from numba import types
+
+    from fastattn._dispatch import array_type
     set_rows_module = sys.modules[fastattn.set_rows.__module__]
     uncached = numba.njit(**dict(KERNEL_OPTIONS, cache=False))(set_rows_module._set_rows_serial.py_func)
-    uncached(np.zeros((1, 8, 64), np.uint16), np.zeros((1, 2, 64), np.float32), np.zeros((1, 2), np.int64))
-    asm = uncached.inspect_asm(uncached.signatures[0])
+    signature = (array_type(FLOAT16, 3), array_type(FLOAT32, 3), array_type(INDEX_INTS[1], 2), types.boolean)
+    uncached.compile(signature)
+    asm = uncached.inspect_asm(signature)
     assert re.search(r"vcvtps2ph\s+.*ymm", asm), "the float32 -> float16 row copy did not vectorise"
 
 
