@@ -528,3 +528,28 @@ def test_row_sliced_views_share_the_contiguous_rows_kernels():
     assert _signature_counts((norm._norm_serial, norm._norm_vec, rows._set_rows_serial, rows._copy_row)) == compiled
     np.testing.assert_array_equal(got, fastattn.rms_norm_mul(np.ascontiguousarray(x[::2]), w, 1e-5))
     np.testing.assert_array_equal(dst[::2][:8], x[::2])
+
+
+@pytest.mark.parametrize("n", [2, 2 * CACHE_BLOCK])
+def test_fused_route_leaves_an_output_overlapping_freq_factors_to_the_general_path(n):
+    """The route reads freq_factors' copy in the parameters' plan; the contract still refuses the overlap."""
+    h, d = 2, 32
+    kwargs = dict(n_dims=d, mode=NEOX, freq_base=500000.0)
+    x = np.random.default_rng(8).standard_normal((n, h, d)).astype(np.float32)
+    pos = np.arange(n, dtype=np.int32)
+    idx = np.arange(n, dtype=np.int64)
+    with parallel_min_bytes(0):
+        fastattn.rope_ext(x, pos, freq_factors=np.ones(d // 2, np.float32), **kwargs)  # entries and known params
+        fastattn.rope_set_rows(np.zeros((n, h, d), np.float32), x, pos, idx,
+                               freq_factors=np.ones(d // 2, np.float32), **kwargs)
+        for call in ("rope_ext", "rope_set_rows"):
+            out = np.zeros((n, h, d), np.float32)
+            factors = out.reshape(-1)[:d // 2]
+            factors[:] = 1.0
+            before = out.copy()
+            with pytest.raises(ValueError, match="freq_factors"):
+                if call == "rope_ext":
+                    fastattn.rope_ext(x, pos, freq_factors=factors, out=out, **kwargs)
+                else:
+                    fastattn.rope_set_rows(out, x, pos, idx, freq_factors=factors, **kwargs)
+            np.testing.assert_array_equal(out, before)
