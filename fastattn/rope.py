@@ -348,8 +348,9 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
         entry = FUSED.get((x.dtype, dst.dtype, 3, _INT64))  # the route (see _dispatch)
         rows = None if entry is None else _fused_rows(dst, x)
         # int32 indices are copied: the entry could no longer see them overlap dst, so that case is left to the
-        # general path, which refuses it
-        idx64 = idx if idx.dtype is _INT64 else None if np.may_share_memory(idx, dst) else idx.astype(_INT64)
+        # general path, which refuses it, as it refuses every other index dtype
+        idx64 = (idx if idx.dtype is _INT64 else idx.astype(_INT64)
+                 if idx.dtype is _INT32 and not np.may_share_memory(idx, dst) else None)
         params = None if rows is None or idx64 is None or _overlaps_factors(dst, freq_factors) else _args.known_params(
             n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
             freq_factors, sections, backward)

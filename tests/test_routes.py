@@ -262,7 +262,9 @@ def _set_rows_bad():
             lambda: fastattn.set_rows(dst, src, np.array([-1, 0])),
             lambda: fastattn.set_rows(dst, src[:, :7], np.array([0, 1])),
             lambda: fastattn.set_rows(dst, dst[:2].astype(np.float32), np.array([0])),
-            lambda: fastattn.set_rows(dst, dst[:2], np.array([2, 3]))], [dst, src]
+            lambda: fastattn.set_rows(dst, dst[:2], np.array([2, 3])),
+            lambda: fastattn.set_rows(dst, src, np.array([0.0, 1.0])),
+            lambda: fastattn.set_rows(dst, src, np.array([0, 1], np.uint64))], [dst, src]
 
 
 def _rope_cached_bad():
@@ -284,7 +286,9 @@ def _rope_cached_bad():
             lambda: fastattn.apply_rope_cache_set_rows(kv, kv[:1].reshape(1, 2, 16), cache, np.array([2])),
             lambda: fastattn.apply_rope_cache_set_rows(kv, x, cache, np.array([4])),
             lambda: fastattn.apply_rope_cache_set_rows(kv, x, cache, np.array([0, 1])),
-            lambda: fastattn.apply_rope_cache_set_rows(kv[:, :16], x, cache, np.array([0]))], [x, kv, buf]
+            lambda: fastattn.apply_rope_cache_set_rows(kv[:, :16], x, cache, np.array([0])),
+            lambda: fastattn.apply_rope_cache_set_rows(kv, x, cache, np.array([0.0])),
+            lambda: fastattn.apply_rope_cache_set_rows(kv, x, cache, np.array([0], np.uint64))], [x, kv, buf]
 
 
 def _set_rows_quantized_bad():
@@ -368,7 +372,13 @@ def _rope_fused_bad():
             lambda: fastattn.rope_set_rows(kv, buf, pos, idx[:-1], **kwargs),
             lambda: fastattn.rope_set_rows(kv, kv[:n, :64].reshape(n, 2, 32), pos, idx, **kwargs),
             lambda: fastattn.rope_set_rows(kv, buf, pos, idx, **{**kwargs, "backward": 1}),
-            lambda: fastattn.rope_set_rows(kv, buf, pos, idx_in_kv, **kwargs)], [buf, kv]
+            lambda: fastattn.rope_set_rows(kv, buf, pos, idx_in_kv, **kwargs),
+            # index dtypes other than int32/int64 are refused, not converted (a float index was written before)
+            lambda: fastattn.rope_set_rows(kv, buf, pos, idx.astype(np.float64), **kwargs),
+            lambda: fastattn.rope_set_rows(kv, buf, pos, idx.astype(np.uint64), **kwargs),
+            lambda: fastattn.rope_set_rows(kv, buf, pos, idx.astype(np.int16), **kwargs),
+            lambda: fastattn.rope_set_rows(kv, buf, pos, idx.astype(bool), **kwargs),
+            lambda: fastattn.rope_set_rows(kv, buf, pos.astype(np.float32), idx, **kwargs)], [buf, kv]
 
 
 def _attention_decode_bad():
