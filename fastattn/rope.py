@@ -276,7 +276,9 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
         params = None if entry is None or _overlaps_factors(out, freq_factors) else _args.known_params(
             n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
             freq_factors, sections, backward)
-        if params is not None:
+        # the plan's table has n_dims entries: made only for parameters that fit this head (else the general
+        # path's error, without building a table as large as a hostile n_dims)
+        if params is not None and params.n_dims <= x.shape[2]:
             y = np.empty(x.shape, x.dtype) if out is None else out
             with _team("rope_ext", 2 * x.nbytes) as launch:
                 if entry(x, y, None, pos, params.plan, _threads.PARALLEL_MIN_BYTES, launch.n):
@@ -354,7 +356,7 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
         params = None if rows is None or idx64 is None or _overlaps_factors(dst, freq_factors) else _args.known_params(
             n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
             freq_factors, sections, backward)
-        if params is not None:
+        if params is not None and params.n_dims <= x.shape[2]:  # as in rope_ext
             with _team("rope_set_rows", x.size * (x.itemsize + dst.itemsize)) as launch:
                 if entry(x, rows, idx64, pos, params.plan, _threads.PARALLEL_MIN_BYTES, launch.n):
                     return dst

@@ -378,7 +378,11 @@ def _rope_fused_bad():
             lambda: fastattn.rope_set_rows(kv, buf, pos, idx.astype(np.uint64), **kwargs),
             lambda: fastattn.rope_set_rows(kv, buf, pos, idx.astype(np.int16), **kwargs),
             lambda: fastattn.rope_set_rows(kv, buf, pos, idx.astype(bool), **kwargs),
-            lambda: fastattn.rope_set_rows(kv, buf, pos.astype(np.float32), idx, **kwargs)], [buf, kv]
+            lambda: fastattn.rope_set_rows(kv, buf, pos.astype(np.float32), idx, **kwargs),
+            # parameters valid on their own (remembered by the general path's parse) for a head they exceed: the
+            # route must not build their table (2**39 pairs) before the head-dim check
+            lambda: fastattn.rope_ext(buf, pos, out=buf, **{**kwargs, "n_dims": 2**40}),
+            lambda: fastattn.rope_set_rows(kv, buf, pos, idx, **{**kwargs, "n_dims": 2**40})], [buf, kv]
 
 
 def _attention_decode_bad():
