@@ -45,7 +45,8 @@ class Quantized:
         if data.shape[-1] % width:
             raise ValueError(f"data's last axis must be a whole number of {qtype} blocks ({width} bytes each), "
                              f"got {data.shape[-1]} bytes")
-        if data.shape[-1] > 1 and data.strides[-1] != 1:
+        # an empty array has no bytes out of place (NumPy may give it any strides, 0 included)
+        if data.size and data.shape[-1] > 1 and data.strides[-1] != 1:
             raise ValueError(f"data's last axis must be contiguous (stride 1), got stride {data.strides[-1]}")
         self.data = data
         self.qtype = qtype

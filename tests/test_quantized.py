@@ -132,6 +132,18 @@ def test_views_in_and_strided_quantized_caches(qtype):
 
 @pytest.mark.parametrize("ops", [fastattn, reference], ids=["fast", "reference"])
 @pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("shape", [(0, 64), (2, 0, 32), (3, 0), (0,)])
+def test_empty_arrays_quantize_to_empty_caches(ops, qtype, shape):
+    """NumPy gives some empty arrays stride 0 on every axis: an empty cache has no bytes out of place."""
+    q = ops.quantize(np.ones(shape, np.float32), qtype)
+    assert q.shape == shape and q.data.size == 0
+    values = ops.dequantize(q)
+    assert values.shape == shape and values.dtype == np.float32
+    assert fastattn.Quantized(np.empty((0, 2 * (34 if qtype == "q8_0" else 18)), np.uint8), qtype).shape == (0, 64)
+
+
+@pytest.mark.parametrize("ops", [fastattn, reference], ids=["fast", "reference"])
+@pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("src_dtype", [np.float32, np.float16])
 def test_set_rows_quantizes_into_the_rows_and_nothing_else(ops, qtype, src_dtype):
     rng = np.random.default_rng(2)
