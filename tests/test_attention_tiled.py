@@ -21,7 +21,7 @@ from attention_cases import FLOOR, MASK_KINDS, make_mask, naive_f32
 from fastattn import _attention_tiled as tiled
 from fastattn._args.attention import alibi_slopes
 from fastattn._kernel import KERNEL_OPTIONS, kernel_view
-from fastattn._validate import FLOAT32
+from fastattn._validate import FLOAT32, admit_bfloat16
 from fastattn.reference import flash_attn_ext
 from fastattn.testing import assert_within_rule
 from strategies import attention_variants, seeds, strided, thread_counts
@@ -38,7 +38,11 @@ def kv_rows():
 
 
 def call_tiled(q, k, v, mask, *, scale, max_bias=0.0, logit_softcap=0.0, sinks=None, out=None):
-    """run_tiled with the public API's conversions (kernel views, 4-D mask, float32 slopes)."""
+    """run_tiled with the public API's conversions (bfloat16 admitted as its argument checks do, kernel views,
+    4-D mask, float32 slopes)."""
+    for a in (k, v, mask):
+        if a is not None:
+            admit_bfloat16(a.dtype)  # else a first bfloat16 array in this process reaches Numba unviewed
     B, Hq, Nq, _ = q.shape
     if out is None:
         out = np.full((B, Nq, Hq, v.shape[3]), np.nan, np.float32)
