@@ -25,6 +25,7 @@ from strategies import ROPE_MODES, StridedView, dims, positions, rope_configs, s
 
 import fastattn
 from fastattn import _threads
+from fastattn import reference as ref
 from fastattn.testing import forget_routes, general_only, parallel_min_bytes, routes
 from fastattn._rope_cache import CACHE_BLOCK
 from fastattn._validate import FLOAT16, FLOAT32
@@ -567,3 +568,20 @@ def test_fused_route_leaves_an_output_overlapping_freq_factors_to_the_general_pa
                 else:
                     fastattn.rope_set_rows(out, x, pos, idx, freq_factors=factors, **kwargs)
             np.testing.assert_array_equal(out, before)
+
+
+def test_fused_route_knows_parameters_by_the_objects_passed():
+    """The route's parameter lookup remembers the last arguments by identity: the same values of another class
+    (16.0 for 16, 0 for False) still take the general path and its error; a new parameter set is parsed anew."""
+    x = np.random.default_rng(9).standard_normal((1, 2, 16)).astype(np.float32)
+    pos = np.array([3], np.int32)
+    for _ in range(3):  # the first call is handed over; then the route and the remembered arguments
+        fastattn.rope_ext(x, pos, n_dims=16, mode=NEOX, out=np.empty_like(x))
+    with pytest.raises(TypeError, match="n_dims"):
+        fastattn.rope_ext(x, pos, n_dims=16.0, mode=NEOX)
+    with pytest.raises(TypeError, match="backward"):
+        fastattn.rope_ext(x, pos, n_dims=16, mode=NEOX, backward=0)
+    for base in (10000.0, 500000.0):
+        got = fastattn.rope_ext(x, pos, n_dims=16, mode=NEOX, freq_base=base)
+        np.testing.assert_allclose(got, ref.rope_ext(x, pos, n_dims=16, mode=NEOX, freq_base=base), rtol=0,
+                                   atol=1e-6)
