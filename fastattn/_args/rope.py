@@ -159,18 +159,15 @@ def parse_params(*, n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor,
     """Validate the scalar parameters (and freq_factors, sections) of one RoPE; remembered by value."""
     args = (n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
             freq_factors, sections, backward)
-    params = _remembered(*args)
+    params = known_params(*args)
     if params is not None:
         return params
+    params = _parse_params(*args)
     key = _key(*args)
-    params = None if key is None else _PARSED.get(key)
-    if params is None:
-        params = _parse_params(*args)
-        if key is not None:
-            if len(_PARSED) >= _PARSED_MAX:
-                _PARSED.clear()
-            _PARSED[key] = params
     if key is not None:
+        if len(_PARSED) >= _PARSED_MAX:
+            _PARSED.clear()
+        _PARSED[key] = params
         _remember(*args, params)
     return params
 
