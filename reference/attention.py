@@ -44,7 +44,8 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     v = dequantize(v) if isinstance(v, Quantized) else v
     slopes = args_attention.alibi_slopes(Hq, a.max_bias)
     result = np.zeros(a.out_shape, FLOAT64)
-    with np.errstate(invalid="ignore"):  # NaN and inf inputs give NaN quietly, as in the kernels
+    # NaN and inf inputs give NaN quietly, as in the kernels; a row with nothing live divides 0 by 0 (then zeroed)
+    with np.errstate(invalid="ignore", divide="ignore"):
         for b in range(B):
             for h in range(Hq):
                 kb, kh = b // (B // Bk), h // (Hq // Hkv)
@@ -59,13 +60,17 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
                     seen = m != -np.inf
                     scores = np.where(seen, scores + slopes[h] * m, -np.inf)
                 sink = -np.inf if a.sinks is None else float(a.sinks[h])
-                for i in range(Nq):
-                    top = np.max(np.append(scores[i], sink))  # NaN when a score or the sink is NaN
-                    if top == -np.inf:
-                        continue  # every score masked, no sink: zeros
-                    weights = np.exp(scores[i, seen[i]] - top)
-                    denominator = weights.sum() + np.exp(sink - top)
-                    result[b, i, h] = (weights @ values[seen[i]]) / denominator
+                top = np.maximum(scores.max(axis=1, initial=-np.inf), sink)  # NaN when a score or the sink is NaN
+                weights = np.where(seen, np.exp(scores - top[:, None]), 0.0)  # (Nq, Nkv); 0 where hidden
+                denominator = weights.sum(axis=1) + np.exp(sink - top)
+                # sum_j weight_ij v_j over the keys row i sees: a V row holding inf or NaN is added only to the
+                # rows that see it (0 * inf would make NaN of the others), every other row by one product
+                finite = np.isfinite(values).all(axis=1)
+                sums = weights @ np.where(finite[:, None], values, 0.0)
+                for j in np.flatnonzero(~finite):
+                    sums[seen[:, j]] += weights[seen[:, j], j, None] * values[j]
+                live = top != -np.inf  # every score masked and no sink: zeros
+                result[b, :, h] = np.where(live[:, None], sums / denominator[:, None], 0.0)
     if out is None:
         return result.astype(np.float32)
     out[...] = result

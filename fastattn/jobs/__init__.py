@@ -199,7 +199,7 @@ def _run_case(case: Case, n_threads: int, budget_s: float, rounds: int, watch: C
         t0 = time.perf_counter()
         reference_out = _snapshot(case.reference())
         once = time.perf_counter() - t0
-        # a reference slower than the whole budget (float64 attention: seconds) gets 3 rounds of one call
+        # a reference slower than the whole budget (float64 attention prefill) gets 3 rounds of one call
         ref_rounds = rounds if once <= budget_s else min(rounds, 3)
         references[key] = (reference_out, time_rounds(case.reference, budget_s, ref_rounds, once_s=once))
     reference_out, reference = references[key]
