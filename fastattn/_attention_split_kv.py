@@ -107,7 +107,7 @@ def _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, per_h
     # the V rows.
     A = np.zeros(Ap.shape[3], np.float32)
     # the chunk's rows less the mask's hidden ends: a chunk outside the live keys leaves the empty partial
-    j0, j1 = live_range(spans, mask, b % Bm, h0, G, Hm, 0, c * rows, min(Nkv, (c + 1) * rows))
+    j0, j1 = live_range(spans, mask, b % Bm, h0, G, Hm, np.int64(0), c * rows, min(Nkv, (c + 1) * rows))
     # streaming as a bool, not a literal True: the argument types are one_chunk's, which shares the compilation
     group_rows(qs, (kf, ko + kb * kst[0] + kvh * kst[1], kst[2], kst[3]),
                (vf, vo + kb * vst[0] + kvh * vst[1], vst[2], vst[3]), mf,
@@ -144,7 +144,7 @@ def _fold(Mp, Sp, Ap, sinks, out, bh):
         for d in range(DV):
             acc[d] = acc[d] * old + part[d] * new
         m = top
-    finalize(m, s, acc, 0, DV, sinks[h], of, oo + b * ost[0] + h * ost[2], ost[3])
+    finalize(m, s, acc, np.int64(0), DV, sinks[h], of, oo + b * ost[0] + h * ost[2], ost[3])
 
 
 #: The drivers' unit (``_kernel.call_any_layout``): ``_chunk`` on these driver arguments and a unit number;

@@ -20,7 +20,7 @@ import numpy as np
 from numba import prange
 
 from . import _threads
-from ._kernel import KERNEL_OPTIONS
+from ._kernel import KERNEL_OPTIONS, call_any_layout
 
 # float64 sin/cos that vectorise: Cody-Waite reduction by pi/2 split in three parts. The first two parts carry
 # 22 significant bits, so k·PIO2_1 and k·PIO2_2 are exact for |k| < 2**31 and the reduction is accurate to about
@@ -135,6 +135,10 @@ def cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, n
             sin_row[p] = np.float32(s64[p] * sin_scale)
 
 
+#: Positions of build_cache_*'s arguments typed any layout (pos and the table's arrays).
+TABLE_INPUTS = (0, 1, 2, 3, 4)
+
+
 @numba.njit(**_ORDERED)
 def build_cache_serial(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs):
     """cs: (N, 2·n_pairs) float32, cos then sin of each token."""
@@ -161,8 +165,9 @@ def build_cs(pos: np.ndarray, params) -> np.ndarray:
     n_tokens = pos.shape[1]
     cs = np.empty((n_tokens, 2 * params.n_pairs), np.float32)
     args = (pos, table.streams, table.w, table.step_cos, table.step_sin, table.cos_scale, table.sin_scale, cs)
+    # the inputs typed any layout, as the fused RoPE drivers pass them: both share cache_block's compilation
     if n_tokens >= 8 * CACHE_BLOCK and _threads.threads_for(n_tokens * params.n_pairs * 16) > 1:
-        build_cache_parallel(*args)
+        call_any_layout(build_cache_parallel, TABLE_INPUTS, *args)
     else:
-        build_cache_serial(*args)
+        call_any_layout(build_cache_serial, TABLE_INPUTS, *args)
     return cs

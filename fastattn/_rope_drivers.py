@@ -27,7 +27,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-from ._kernel import assume_contiguous, call_unit, fetch_add, prefetch
+from ._kernel import any_layout, assume_contiguous, call_unit, fetch_add, prefetch
 from ._rope_cache import CACHE_BLOCK, cache_block
 from ._rope_rotate import (ROWS_STRIDED, TOKEN_BLOCK, _EXACT, _INLINE, _PICK, rope_block, rotate_rows_adjacent,
                            rotate_rows_split)
@@ -69,7 +69,7 @@ def _rotate_step(x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place
     for b in range(x.shape[0]):
         ahead = 0
         if in_place:
-            ahead = _rows_ahead(x[b], n, layout)
+            ahead = _rows_ahead(any_layout(x[b]), n, layout)  # one compilation for contiguous and strided x
             if ahead == 0:
                 _prefetch_next_token(x[b], n, layout)
         rope_block(x[b, n], out[b, n], cache_row, n_pairs, interleaved, in_place, layout, ahead)

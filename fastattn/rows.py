@@ -173,12 +173,16 @@ def _set_rows_quantized(dst: Quantized, src: np.ndarray, idx: np.ndarray) -> Qua
         bad = _args.first_bad_index(idx, n_rows)
         if bad is not None:
             raise _args.index_error(idx, n_rows, bad)
+    # the cache bytes and the values typed any layout: one compilation whether the merged blocks are contiguous
+    # or strided (quantize_row checks each row's strides itself)
     if n_workers == 1:
-        _write_blocks(blocks, idx, n_rows, lambda dk, sk, ik: _set_quantized_serial(dk, sk, ik, code))
+        _write_blocks(blocks, idx, n_rows,
+                      lambda dk, sk, ik: call_any_layout(_set_quantized_serial, (0, 1), dk, sk, ik, code))
     else:
         with _threads.team("set_rows_quantized", src.size * (src.itemsize + 1), n_workers) as launch:
             _write_blocks(blocks, idx, n_rows,
-                          lambda dk, sk, ik: _set_quantized_parallel(dk, sk, ik, code, launch.n))
+                          lambda dk, sk, ik: call_any_layout(_set_quantized_parallel, (0, 1), dk, sk, ik, code,
+                                                             launch.n))
     return dst
 
 
