@@ -78,7 +78,8 @@ def parser() -> argparse.ArgumentParser:
                        help="also write the results as JSON to FILE; '-' writes only JSON to stdout and the "
                             "table to stderr")
     check.add_argument("--budget", type=_positive(float), default=0.5,
-                       help="seconds of timing per figure, over all its rounds (default 0.5)")
+                       help="seconds of timing per fast figure, over all its rounds; the reference's gets half "
+                            "(default 0.5)")
     check.add_argument("--rounds", type=_positive(int), default=5,
                        help="timing rounds per figure, reported as min and median (default 5)")
     check.add_argument("--plot", metavar="FILE.png", default=None, help="bench: draw the rates against the roofs")
@@ -147,7 +148,8 @@ def _check(p: argparse.ArgumentParser, args) -> int:
     found = report.warnings(results, [busy] if busy else [])
 
     print(report.table(results), file=out)
-    print(f"\n{report.LEGEND}\n(times: {args.rounds} rounds per figure, about {args.budget:g} s of calls in all; "
+    print(f"\n{report.LEGEND}\n(times: {args.rounds} rounds per figure, about {args.budget:g} s of calls in all "
+          f"(the reference: {args.budget * jobs.REFERENCE_SHARE:g} s); "
           f"threads: {', '.join(map(str, thread_counts))}; cores: {cores})", file=out)
     description = machine.describe(thread_counts)
     roofs = _roofs(args, results, thread_counts, out) if args.command == "bench" else None

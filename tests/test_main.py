@@ -38,8 +38,9 @@ def test_json_dash_writes_only_json_to_stdout(json_run):
     assert json_run.returncode == 0, json_run.stderr
     report = json.loads(json_run.stdout)  # the whole of stdout is one JSON document
     for field in ("fastattn", "numba", "numpy", "cpu", "cores", "numba_threads", "threads", "tolerances",
-                  "budget_s", "rounds", "load_average", "summary", "warnings", "results"):
+                  "budget_s", "reference_budget_s", "rounds", "load_average", "summary", "warnings", "results"):
         assert field in report, field
+    assert report["reference_budget_s"] == report["budget_s"] / 2
     assert report["threads"] == [1]
     assert report["tolerances"]["set_rows"]  # every case's tolerance, in words
     assert {r["op"] for r in report["results"]} == {"set_rows"}

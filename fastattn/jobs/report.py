@@ -5,7 +5,7 @@ from collections import defaultdict
 from dataclasses import asdict
 
 from .. import _threads
-from . import Result
+from . import REFERENCE_SHARE, Result
 
 #: 2 threads are reported as slower than 1 when their median exceeds 1 thread's by more than this factor.
 SLOWER_FACTOR = 1.10
@@ -100,6 +100,7 @@ def json_report(results: list[Result], *, machine: dict, budget_s: float, rounds
     return {
         **machine,
         "budget_s": budget_s,
+        "reference_budget_s": budget_s * REFERENCE_SHARE,
         "rounds": rounds,
         "parallel_min_bytes": _threads.PARALLEL_MIN_BYTES,
         "load_average": load,
