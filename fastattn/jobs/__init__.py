@@ -19,8 +19,8 @@ from .checks import Check
 from .progress import CompileWatch, Progress
 from .timing import Timing, time_rounds
 
-#: The reference's timing budget as a share of the fast path's: its figure is only the speed-up's denominator,
-#: 15 to 250 times the fast one, so half the calls read it well enough and save seconds of the job.
+#: The reference's timing budget as a share of the fast path's: its figure serves only as the speed-up's
+#: denominator, so half the calls read it well enough and save seconds of the job.
 REFERENCE_SHARE = 0.5
 
 #: Op modules of this package that register cases (in table order).
