@@ -45,7 +45,7 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     slopes = args_attention.alibi_slopes(Hq, a.max_bias)
     result = np.zeros(a.out_shape, FLOAT64)
     # NaN and inf inputs give NaN quietly, as in the kernels; a row with nothing live divides 0 by 0 (then zeroed)
-    with np.errstate(invalid="ignore", divide="ignore"):
+    with np.errstate(invalid="ignore"):
         for b in range(B):
             for h in range(Hq):
                 kb, kh = b // (B // Bk), h // (Hq // Hkv)
