@@ -17,7 +17,7 @@ through. Skipping changes nothing: a hidden block's scores are all ``-inf`` (no 
    ``-inf`` (a hidden key, whatever the slope); without a mask the logits are written straight in, and the row
    lists of steps 2 and 4 are all rows;
 2. scores: the group's heads in register blocks of 4 (the rest one by one) against pairs of K rows: one pass over
-   two rows feeds 8 dot products, float16/bfloat16 widened on the fly with ``to_f32``. Rows whose mask is ``-inf``
+   two rows feeds 8 dot products, float16/bfloat16 widened in registers. Rows whose mask is ``-inf``
    for every head of the block are left out before any dot product is computed; a hidden score stays ``-inf``
    when the row is live for another head of the block, whatever the K row holds;
 3. per head: the block max, one rescale of ``S`` and ``A`` when the max grows, ``p = fast_exp(s - M)``;

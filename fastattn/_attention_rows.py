@@ -2,179 +2,218 @@
 
 Query heads go in blocks of 4 (the rest one by one). ``_dot4x2`` scores two K rows for 4 heads in one pass over
 the rows (8 sums); ``_axpy4x4`` adds four weighted V rows to 4 heads' accumulators, loading and storing each
-accumulator once per four rows (the per-row update is bound by its 256-bit stores). Rows are addressed by flat
-offsets (``_attention_layout``) with unsigned arithmetic so the loops vectorise; float16/bfloat16 bits are widened
-on the fly with ``to_f32``; column stride 1 takes the contiguous loop.
+accumulator once per four rows (the per-row update is bound by its 256-bit stores).
+
+They are intrinsics that emit their vector loops themselves (``_simd``): 8 columns at a time with one
+``<8 x float>`` accumulator per head and row, float16/bfloat16 bits widened in registers (``load8``), then the
+columns past the last multiple of 8 one by one; a column stride other than 1 takes the scalar loop for every
+column. Intrinsics rather than Numba loops inlined into ``group_rows``: an inlined loop is typed, inlined and
+vectorised again at each call site (about 4 s of each ``group_rows`` specialisation's compile), where an
+intrinsic hands LLVM straight vector code. A (head, row) score is the same sum in every variant (the lanes reduced pairwise, then the scalar
+columns), so a row scores alike in ``_dot4x2``, ``_dot4`` and ``_dot1``. Rows are addressed by flat offsets into
+1-D C arrays (``_attention_layout``).
 """
 from __future__ import annotations
 
-import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core.errors import TypingError
+from numba.extending import intrinsic
 
-from ._kernel import kernel, prefetch, to_f32
+from ._simd import KERNEL_DTYPES, LANES, V8, as_int64, const, fma, hsum, load1, load8, loop, prefetch_line, splat
 
 #: KV rows per block: 32 rows of K and of V (8-16 KiB each at D 128) stay in L1 across the group's head blocks.
 ROWS = 32
 
 
-@kernel(inline=True)
-def _dot4x2(qs, g, kf, o1, o2, kcs):
-    """Dot products of query rows g .. g+3 with the K rows at flat offsets o1 and o2: 8 sums, one pass."""
-    s0 = np.float32(0.0)
-    s1 = np.float32(0.0)
-    s2 = np.float32(0.0)
-    s3 = np.float32(0.0)
-    t0 = np.float32(0.0)
-    t1 = np.float32(0.0)
-    t2 = np.float32(0.0)
-    t3 = np.float32(0.0)
-    u1 = np.uint64(o1)
-    u2 = np.uint64(o2)
-    step = np.uint64(kcs)
-    for d in range(qs.shape[1]):
-        x = u1 + np.uint64(d) if kcs == 1 else u1 + np.uint64(d) * step
-        y = u2 + np.uint64(d) if kcs == 1 else u2 + np.uint64(d) * step
-        k1 = to_f32(kf[x])
-        k2 = to_f32(kf[y])
-        q0 = qs[g, d]
-        q1 = qs[g + 1, d]
-        q2 = qs[g + 2, d]
-        q3 = qs[g + 3, d]
-        s0 += q0 * k1
-        s1 += q1 * k1
-        s2 += q2 * k1
-        s3 += q3 * k1
-        t0 += q0 * k2
-        t1 += q1 * k2
-        t2 += q2 * k2
-        t3 += q3 * k2
-    return s0, s1, s2, s3, t0, t1, t2, t3
+def _is_c(arr, dtypes, ndim):
+    return isinstance(arr, types.Array) and arr.dtype in dtypes and arr.ndim == ndim and arr.layout == "C"
 
 
-@kernel(inline=True)
-def _dot4(qs, g, kf, o1, kcs):
-    s0 = np.float32(0.0)
-    s1 = np.float32(0.0)
-    s2 = np.float32(0.0)
-    s3 = np.float32(0.0)
-    u1 = np.uint64(o1)
-    step = np.uint64(kcs)
-    for d in range(qs.shape[1]):
-        k1 = to_f32(kf[u1 + np.uint64(d) if kcs == 1 else u1 + np.uint64(d) * step])
-        s0 += qs[g, d] * k1
-        s1 += qs[g + 1, d] * k1
-        s2 += qs[g + 2, d] * k1
-        s3 += qs[g + 3, d] * k1
-    return s0, s1, s2, s3
+def _check_rows(name, matrix, rows, offsets, stride):
+    """``matrix``: qs or p (2-D C float32); ``rows``: K or V (1-D C, a kernel dtype); integer offsets and stride."""
+    if not (_is_c(matrix, (types.float32,), 2) and _is_c(rows, KERNEL_DTYPES, 1)
+            and all(isinstance(t, types.Integer) for t in (*offsets, stride))):
+        raise TypingError(f"{name}: expected a 2-D C float32 array, a 1-D C array of float32 or float16/bfloat16 "
+                          f"bits, integer offsets and stride; got {matrix}, {rows}, {offsets}, {stride}")
 
 
-@kernel(inline=True)
-def _dot1(qs, g, kf, o1, kcs):
-    s0 = np.float32(0.0)
-    u1 = np.uint64(o1)
-    step = np.uint64(kcs)
-    for d in range(qs.shape[1]):
-        s0 += qs[g, d] * to_f32(kf[u1 + np.uint64(d) if kcs == 1 else u1 + np.uint64(d) * step])
-    return s0
+def _columns(builder, n, stride):
+    """Columns taken 8 at a time: n rounded down to a multiple of 8 when the column stride is 1, else 0."""
+    unit = builder.icmp_signed("==", stride, const(1))
+    return builder.select(unit, builder.and_(n, const(-LANES)), const(0))
 
 
-@kernel(inline=True)
-def _axpy4x4(A, a0, DV, p, g, r1, r2, r3, r4, vf, o1, o2, o3, o4, vcs):
+def _dot_codegen(n_heads: int, n_rows: int):
+    """Sums qs[g + h] · K row r for the heads h < n_heads and the K rows at flat offsets o_1 .. o_n_rows."""
+    def codegen(context, builder, signature, llargs):
+        qs_t, _, kf_t = signature.args[:3]
+        qs = context.make_array(qs_t)(context, builder, llargs[0])
+        kf = context.make_array(kf_t)(context, builder, llargs[2])
+        g = as_int64(context, builder, llargs[1], signature.args[1])
+        offsets = [as_int64(context, builder, llargs[3 + r], signature.args[3 + r]) for r in range(n_rows)]
+        kcs = as_int64(context, builder, llargs[3 + n_rows], signature.args[3 + n_rows])
+        DK = builder.extract_value(qs.shape, 1)
+        q_rows = [builder.gep(qs.data, [builder.mul(builder.add(g, const(h)), DK)]) for h in range(n_heads)]
+        n8 = _columns(builder, DK, kcs)
+
+        def vector_step(d, acc):
+            q = [load8(builder, types.float32, row, d) for row in q_rows]
+            k = [load8(builder, kf_t.dtype, kf.data, builder.add(o, d)) for o in offsets]
+            return [fma(builder, q[h], k[r], acc[h * n_rows + r]) for h in range(n_heads) for r in range(n_rows)]
+
+        zero = ir.Constant(V8, [0.0] * LANES)
+        acc = loop(builder, const(0), n8, const(LANES), [zero] * (n_heads * n_rows), vector_step)
+        sums = [hsum(builder, a) for a in acc]
+
+        def scalar_step(d, acc):
+            q = [load1(builder, types.float32, row, d) for row in q_rows]
+            at = builder.mul(d, kcs)
+            k = [load1(builder, kf_t.dtype, kf.data, builder.add(o, at)) for o in offsets]
+            return [fma(builder, q[h], k[r], acc[h * n_rows + r]) for h in range(n_heads) for r in range(n_rows)]
+
+        sums = loop(builder, n8, DK, const(1), sums, scalar_step)
+        # heads vary fastest in the result: (head 0 .. 3 of row 1, then of row 2), as the callers unpack them
+        values = [sums[h * n_rows + r] for r in range(n_rows) for h in range(n_heads)]
+        if len(values) == 1:
+            return values[0]
+        return context.make_tuple(builder, signature.return_type, values)
+
+    return codegen
+
+
+@intrinsic
+def _dot4x2(typingctx, qs, g, kf, o1, o2, kcs):
+    """Dot products of query rows g .. g+3 with the K rows at flat offsets o1 and o2: 8 sums (the 4 heads' of
+    o1, then of o2), one pass over the rows."""
+    _check_rows("_dot4x2", qs, kf, (g, o1, o2), kcs)
+    return types.UniTuple(types.float32, 8)(qs, g, kf, o1, o2, kcs), _dot_codegen(4, 2)
+
+
+@intrinsic
+def _dot4(typingctx, qs, g, kf, o1, kcs):
+    """Dot products of query rows g .. g+3 with the K row at flat offset o1."""
+    _check_rows("_dot4", qs, kf, (g, o1), kcs)
+    return types.UniTuple(types.float32, 4)(qs, g, kf, o1, kcs), _dot_codegen(4, 1)
+
+
+@intrinsic
+def _dot1(typingctx, qs, g, kf, o1, kcs):
+    """Dot product of query row g with the K row at flat offset o1."""
+    _check_rows("_dot1", qs, kf, (g, o1), kcs)
+    return types.float32(qs, g, kf, o1, kcs), _dot_codegen(1, 1)
+
+
+def _axpy_codegen(n_rows: int, n_heads: int):
+    """A[a0 + h*DV + c] += sum over rows r of w[h, r] V_r[c] for the n_heads heads: with one row a single FMA
+    (the roundings of ``_attention_stream``'s column slices), with 2 or 4 rows the products summed pairwise."""
+    def codegen(context, builder, signature, llargs):
+        args = signature.args
+        A = context.make_array(args[0])(context, builder, llargs[0])
+        a0 = as_int64(context, builder, llargs[1], args[1])
+        DV = as_int64(context, builder, llargs[2], args[2])
+        if n_heads == 1:  # (A, a0, DV, p0, vf, o1, vcs)
+            weights = [[llargs[3]]]
+            first_v = 4
+        else:  # (A, a0, DV, p, g, r_1 .. r_n, vf, o_1 .. o_n, vcs)
+            p = context.make_array(args[3])(context, builder, llargs[3])
+            g = as_int64(context, builder, llargs[4], args[4])
+            ldp = builder.extract_value(p.shape, 1)
+            rs = [as_int64(context, builder, llargs[5 + r], args[5 + r]) for r in range(n_rows)]
+            weights = [[builder.load(builder.gep(p.data, [builder.add(builder.mul(builder.add(g, const(h)), ldp), r)]),
+                                     align=4) for r in rs] for h in range(n_heads)]
+            first_v = 5 + n_rows
+        vf_t = args[first_v]
+        vf = context.make_array(vf_t)(context, builder, llargs[first_v])
+        offsets = [as_int64(context, builder, llargs[first_v + 1 + r], args[first_v + 1 + r]) for r in range(n_rows)]
+        vcs = as_int64(context, builder, llargs[first_v + 1 + n_rows], args[first_v + 1 + n_rows])
+        a_rows = [builder.gep(A.data, [builder.add(a0, builder.mul(const(h), DV))]) for h in range(n_heads)]
+        wide = [[splat(builder, w) for w in row] for row in weights]
+
+        def update(a, w, v):
+            if n_rows == 1:
+                return fma(builder, w[0], v[0], a)
+            pairs = [fma(builder, w[r + 1], v[r + 1], builder.fmul(w[r], v[r])) for r in range(0, n_rows, 2)]
+            total = pairs[0] if len(pairs) == 1 else builder.fadd(pairs[0], pairs[1])
+            return builder.fadd(a, total)
+
+        def vector_step(d, _):
+            v = [load8(builder, vf_t.dtype, vf.data, builder.add(o, d)) for o in offsets]
+            for h in range(n_heads):
+                ptr = builder.bitcast(builder.gep(a_rows[h], [d]), V8.as_pointer())
+                builder.store(update(builder.load(ptr, align=4), wide[h], v), ptr, align=4)
+            return []
+
+        loop(builder, const(0), _columns(builder, DV, vcs), const(LANES), [], vector_step)
+
+        def scalar_step(d, _):
+            at = builder.mul(d, vcs)
+            v = [load1(builder, vf_t.dtype, vf.data, builder.add(o, at)) for o in offsets]
+            for h in range(n_heads):
+                ptr = builder.gep(a_rows[h], [d])
+                builder.store(update(builder.load(ptr, align=4), weights[h], v), ptr, align=4)
+            return []
+
+        loop(builder, _columns(builder, DV, vcs), DV, const(1), [], scalar_step)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _check_axpy(name, A, a0, DV, p, vf, ints):
+    if not (_is_c(A, (types.float32,), 1) and _is_c(vf, KERNEL_DTYPES, 1)
+            and (p == types.float32 or _is_c(p, (types.float32,), 2))
+            and all(isinstance(t, types.Integer) for t in (a0, DV, *ints))):
+        raise TypingError(f"{name}: expected A 1-D C float32, weights float32, V rows 1-D C float32 or "
+                          f"float16/bfloat16 bits and integer offsets; got {A}, {p}, {vf}")
+
+
+@intrinsic
+def _axpy4x4(typingctx, A, a0, DV, p, g, r1, r2, r3, r4, vf, o1, o2, o3, o4, vcs):
     """A[g .. g+3] += p[.., r] V row for four rows: each accumulator is loaded and stored once per four rows
     (the per-row update is bound by its 256-bit stores)."""
-    p01 = p[g, r1]
-    p11 = p[g + 1, r1]
-    p21 = p[g + 2, r1]
-    p31 = p[g + 3, r1]
-    p02 = p[g, r2]
-    p12 = p[g + 1, r2]
-    p22 = p[g + 2, r2]
-    p32 = p[g + 3, r2]
-    p03 = p[g, r3]
-    p13 = p[g + 1, r3]
-    p23 = p[g + 2, r3]
-    p33 = p[g + 3, r3]
-    p04 = p[g, r4]
-    p14 = p[g + 1, r4]
-    p24 = p[g + 2, r4]
-    p34 = p[g + 3, r4]
-    u1 = np.uint64(o1)
-    u2 = np.uint64(o2)
-    u3 = np.uint64(o3)
-    u4 = np.uint64(o4)
-    step = np.uint64(vcs)
-    dv = np.uint64(DV)
-    b0 = np.uint64(a0)
-    for d in range(DV):
-        x = np.uint64(d) if vcs == 1 else np.uint64(d) * step
-        v1 = to_f32(vf[u1 + x])
-        v2 = to_f32(vf[u2 + x])
-        v3 = to_f32(vf[u3 + x])
-        v4 = to_f32(vf[u4 + x])
-        e = b0 + np.uint64(d)
-        A[e] += (p01 * v1 + p02 * v2) + (p03 * v3 + p04 * v4)
-        A[e + dv] += (p11 * v1 + p12 * v2) + (p13 * v3 + p14 * v4)
-        A[e + dv + dv] += (p21 * v1 + p22 * v2) + (p23 * v3 + p24 * v4)
-        A[e + dv + dv + dv] += (p31 * v1 + p32 * v2) + (p33 * v3 + p34 * v4)
+    _check_axpy("_axpy4x4", A, a0, DV, p, vf, (g, r1, r2, r3, r4, o1, o2, o3, o4, vcs))
+    return types.none(A, a0, DV, p, g, r1, r2, r3, r4, vf, o1, o2, o3, o4, vcs), _axpy_codegen(4, 4)
 
 
-@kernel(inline=True)
-def _axpy4x2(A, a0, DV, p, g, r1, r2, vf, o1, o2, vcs):
+@intrinsic
+def _axpy4x2(typingctx, A, a0, DV, p, g, r1, r2, vf, o1, o2, vcs):
     """A[g .. g+3] += p[.., r1] V row o1 + p[.., r2] V row o2 (A flat, head g's DV values at a0)."""
-    p01 = p[g, r1]
-    p11 = p[g + 1, r1]
-    p21 = p[g + 2, r1]
-    p31 = p[g + 3, r1]
-    p02 = p[g, r2]
-    p12 = p[g + 1, r2]
-    p22 = p[g + 2, r2]
-    p32 = p[g + 3, r2]
-    u1 = np.uint64(o1)
-    u2 = np.uint64(o2)
-    step = np.uint64(vcs)
-    dv = np.uint64(DV)
-    b0 = np.uint64(a0)
-    for d in range(DV):
-        x = u1 + np.uint64(d) if vcs == 1 else u1 + np.uint64(d) * step
-        y = u2 + np.uint64(d) if vcs == 1 else u2 + np.uint64(d) * step
-        v1 = to_f32(vf[x])
-        v2 = to_f32(vf[y])
-        e = b0 + np.uint64(d)
-        A[e] += p01 * v1 + p02 * v2
-        A[e + dv] += p11 * v1 + p12 * v2
-        A[e + dv + dv] += p21 * v1 + p22 * v2
-        A[e + dv + dv + dv] += p31 * v1 + p32 * v2
+    _check_axpy("_axpy4x2", A, a0, DV, p, vf, (g, r1, r2, o1, o2, vcs))
+    return types.none(A, a0, DV, p, g, r1, r2, vf, o1, o2, vcs), _axpy_codegen(2, 4)
 
 
-@kernel(inline=True)
-def _axpy4(A, a0, DV, p, g, r1, vf, o1, vcs):
-    p0 = p[g, r1]
-    p1 = p[g + 1, r1]
-    p2 = p[g + 2, r1]
-    p3 = p[g + 3, r1]
-    u1 = np.uint64(o1)
-    step = np.uint64(vcs)
-    dv = np.uint64(DV)
-    b0 = np.uint64(a0)
-    for d in range(DV):
-        v1 = to_f32(vf[u1 + np.uint64(d) if vcs == 1 else u1 + np.uint64(d) * step])
-        e = b0 + np.uint64(d)
-        A[e] += p0 * v1
-        A[e + dv] += p1 * v1
-        A[e + dv + dv] += p2 * v1
-        A[e + dv + dv + dv] += p3 * v1
+@intrinsic
+def _axpy4(typingctx, A, a0, DV, p, g, r1, vf, o1, vcs):
+    """A[g .. g+3] += p[.., r1] V row o1, one FMA per value."""
+    _check_axpy("_axpy4", A, a0, DV, p, vf, (g, r1, o1, vcs))
+    return types.none(A, a0, DV, p, g, r1, vf, o1, vcs), _axpy_codegen(1, 4)
 
 
-@kernel(inline=True)
-def _axpy1(A, a0, DV, p0, vf, o1, vcs):
-    u1 = np.uint64(o1)
-    step = np.uint64(vcs)
-    b0 = np.uint64(a0)
-    for d in range(DV):
-        A[b0 + np.uint64(d)] += p0 * to_f32(vf[u1 + np.uint64(d) if vcs == 1 else u1 + np.uint64(d) * step])
+@intrinsic
+def _axpy1(typingctx, A, a0, DV, p0, vf, o1, vcs):
+    """A[a0 .. a0+DV] += p0 V row o1, one FMA per value."""
+    _check_axpy("_axpy1", A, a0, DV, p0, vf, (o1, vcs))
+    return types.none(A, a0, DV, p0, vf, o1, vcs), _axpy_codegen(1, 1)
 
 
-@kernel(inline=True)
-def _prefetch_row(f, start, lines, step):
-    """Prefetch ``lines`` cache lines from flat offset ``start`` of ``f``, ``step`` elements apart."""
-    for i in range(lines):
-        prefetch(f, start + i * step)
+@intrinsic
+def _prefetch_row(typingctx, f, start, lines, step):
+    """Prefetch ``lines`` cache lines from flat offset ``start`` of ``f`` (1-D), ``step`` elements apart (a hint:
+    never faults, so the lines may run past the end of ``f``)."""
+    if not (isinstance(f, types.Array) and f.ndim == 1
+            and all(isinstance(t, types.Integer) for t in (start, lines, step))):
+        raise TypingError(f"_prefetch_row: expected a 1-D array and integers, got {f}, {start}, {lines}, {step}")
+
+    def codegen(context, builder, signature, llargs):
+        data = context.make_array(signature.args[0])(context, builder, llargs[0]).data
+        first, n, every = (as_int64(context, builder, v, t) for v, t in zip(llargs[1:], signature.args[1:]))
+
+        def step_(i, _):
+            prefetch_line(builder, builder.gep(data, [builder.add(first, builder.mul(i, every))]))
+            return []
+
+        loop(builder, const(0), n, const(1), [], step_)
+        return context.get_dummy_value()
+
+    return types.none(f, start, lines, step), codegen

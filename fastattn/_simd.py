@@ -62,6 +62,33 @@ def load8(builder, dtype, data, offset):
     return builder.bitcast(wide, V8)
 
 
+def load1(builder, dtype, data, offset):
+    """Element ``offset`` of ``data`` (a pointer to ``dtype`` elements) widened to float."""
+    if dtype == types.float32:
+        return builder.load(builder.gep(data, [offset]), align=4)
+    bits = builder.load(builder.gep(data, [offset]), align=2)
+    if dtype == types.uint16:
+        return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
+    return builder.bitcast(builder.shl(builder.zext(bits, I32), ir.Constant(I32, 16)), ir.FloatType())
+
+
+def hsum(builder, v):
+    """The sum of the 8 lanes of ``v``: halves added pairwise (4 + 4, 2 + 2, 1 + 1)."""
+    undef = ir.Constant(V8, ir.Undefined)
+    v4 = builder.fadd(shuffle(builder, v, undef, [0, 1, 2, 3]), shuffle(builder, v, undef, [4, 5, 6, 7]))
+    undef4 = ir.Constant(v4.type, ir.Undefined)
+    v2 = builder.fadd(shuffle(builder, v4, undef4, [0, 1]), shuffle(builder, v4, undef4, [2, 3]))
+    return builder.fadd(builder.extract_element(v2, ir.Constant(I32, 0)),
+                        builder.extract_element(v2, ir.Constant(I32, 1)))
+
+
+def fma(builder, a, b, c):
+    """a * b + c, rounded once (``llvm.fma`` on float or <8 x float>)."""
+    name = "llvm.fma.v8f32" if isinstance(a.type, ir.VectorType) else "llvm.fma.f32"
+    fn = builder.module.declare_intrinsic(name, (), ir.FunctionType(a.type, [a.type] * 3))
+    return builder.call(fn, [a, b, c])
+
+
 def store8(builder, dtype, data, offset, value):
     """Store <8 x float> ``value`` to elements offset .. offset+7 of ``data``, narrowed to ``dtype`` (round to
     nearest even; a bfloat16 NaN stays a quiet NaN)."""

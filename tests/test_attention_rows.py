@@ -1,0 +1,86 @@
+"""The decode paths' row arithmetic (``_attention_rows``): every variant against float64 NumPy, and the variants
+against each other bit for bit where the module says they agree."""
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+from fastattn._attention_rows import _axpy1, _axpy4, _axpy4x2, _axpy4x4, _dot1, _dot4, _dot4x2
+from fastattn import _validate
+from fastattn._kernel import kernel_view
+from strategies import BFLOAT16
+
+
+@numba.njit(cache=False)
+def _all_dots(qs, kf, o1, o2, kcs):
+    """Scores of query rows 0..3 against the K rows at o1 and o2 by _dot4x2, _dot4 and _dot1: (3, 2, 4)."""
+    out = np.empty((3, 2, 4), np.float32)
+    s = _dot4x2(qs, np.int64(0), kf, o1, o2, kcs)
+    for x in range(8):
+        out[0, x // 4, x % 4] = s[x]
+    for r, o in enumerate((o1, o2)):
+        a, b, c, d = _dot4(qs, np.int64(0), kf, o, kcs)
+        out[1, r, 0], out[1, r, 1], out[1, r, 2], out[1, r, 3] = a, b, c, d
+        for h in range(4):
+            out[2, r, h] = _dot1(qs, np.int64(h), kf, o, kcs)
+    return out
+
+
+@numba.njit(cache=False)
+def _all_updates(A, p, vf, offsets, vcs):
+    """A (3, 4 * DV): row 0 by _axpy4x4, row 1 by _axpy4x2 twice, row 2 by _axpy4 and _axpy1 row after row."""
+    DV = A.shape[1] // 4
+    o1, o2, o3, o4 = offsets[0], offsets[1], offsets[2], offsets[3]
+    _axpy4x4(A[0], 0, DV, p, np.int64(0), 0, 1, 2, 3, vf, o1, o2, o3, o4, vcs)
+    _axpy4x2(A[1], 0, DV, p, np.int64(0), 0, 1, vf, o1, o2, vcs)
+    _axpy4x2(A[1], 0, DV, p, np.int64(0), 2, 3, vf, o3, o4, vcs)
+    for r in range(4):
+        _axpy4(A[2], 0, DV, p, np.int64(0), r, vf, offsets[r], vcs)
+
+
+@numba.njit(cache=False)
+def _updates_by_one_head(A, p, vf, offsets, vcs):
+    DV = A.shape[0] // 4
+    for r in range(4):
+        for h in range(4):
+            _axpy1(A, h * DV, DV, p[h, r], vf, offsets[r], vcs)
+
+
+def _rows(rng, n, width, stride, dtype):
+    """A flat 1-D C array holding n rows of ``width`` values at column stride ``stride`` (as the kernels see it),
+    the rows' offsets and their values in float64."""
+    _validate.admit_bfloat16(np.dtype(dtype))
+    flat = rng.standard_normal(3 + n * width * stride).astype(dtype)
+    offsets = np.array([3 + r * width * stride for r in range(n)], np.int64)
+    values = np.stack([flat[o:o + width * stride:stride] for o in offsets]).astype(np.float64)
+    return kernel_view(flat), offsets, values
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BFLOAT16])
+@pytest.mark.parametrize("D,stride", [(128, 1), (13, 1), (7, 1), (24, 3)])
+def test_dot_products_match_float64_and_agree_bit_for_bit(dtype, D, stride):
+    rng = np.random.default_rng(D + stride)
+    qs = rng.standard_normal((4, D)).astype(np.float32)
+    flat, offsets, k = _rows(rng, 2, D, stride, dtype)
+    got = _all_dots(qs, flat, offsets[0], offsets[1], stride)
+    want = (qs.astype(np.float64) @ k.T).T  # (row, head)
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5 * np.sqrt(D))
+    assert np.array_equal(got[0], got[1]) and np.array_equal(got[0], got[2])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BFLOAT16])
+@pytest.mark.parametrize("D,stride", [(128, 1), (13, 1), (7, 1), (24, 3)])
+def test_row_updates_match_float64_and_single_rows_agree_bit_for_bit(dtype, D, stride):
+    rng = np.random.default_rng(D * stride)
+    p = rng.random((4, 32)).astype(np.float32)
+    flat, offsets, v = _rows(rng, 4, D, stride, dtype)
+    start = rng.standard_normal((4 * D,)).astype(np.float32)
+    A = np.tile(start, (3, 1))
+    _all_updates(A, p, flat, offsets, stride)
+    want = start.astype(np.float64).reshape(4, D) + p[:, :4].astype(np.float64) @ v
+    for row in A:
+        np.testing.assert_allclose(row.reshape(4, D), want, rtol=1e-5, atol=1e-5)
+    one = start.copy()
+    _updates_by_one_head(one, p, flat, offsets, stride)
+    assert np.array_equal(one, A[2])
