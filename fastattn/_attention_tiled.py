@@ -125,14 +125,23 @@ def _copy_mask_block(plane, i0, nq, j0, nk, mt):
 
 @kernel
 def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
-          b, g, h_first, n_heads, i0, qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds):
-    """One task: Q rows i0 .. i0+Q_TILE of query heads h_first .. h_first+n_heads (all of KV head g)."""
+          slot_qt, slot_ks, slot_vs, slot_st, slot_mt, slot_o, slot_m, slot_l, slot_alpha, slot_tile_max, slot_kinds,
+          slot, position):
+    """Task number ``position`` (``_task_of``: Q rows of a Q tile for a block of query heads of one KV head) on
+    thread slot ``slot``'s scratch. The drivers' unit, called by address: the drivers hold no copy of its code."""
     B, Hq, Nq, DK = q.shape
     Bk, Hkv, Nkv, _ = k.shape
     DV = out.shape[3]  # v's last axis counts bytes when V is quantized
+    group = Hq // Hkv
+    b, g, head_block, q_tile = _task_of(position, B, Hkv, -(-group // HEADS_PER_TASK), -(-Nq // Q_TILE))
+    h_first = g * group + head_block * HEADS_PER_TASK
+    n_heads = min(HEADS_PER_TASK, group - head_block * HEADS_PER_TASK)
+    i0 = q_tile * Q_TILE
+    qt, ks, vs, st, mt = slot_qt[slot], slot_ks[slot], slot_vs[slot], slot_st[slot], slot_mt[slot]
+    o, m, l, alpha = slot_o[slot], slot_m[slot], slot_l[slot], slot_alpha[slot]
+    tile_max, kinds = slot_tile_max[slot], slot_kinds[slot]
     dv_pad = vs.shape[1]
     nq = min(Q_TILE, Nq - i0)
-    q_tile = i0 // Q_TILE
     row_blocks = -(-nq // BLOCK_ROWS)
     bk = b // (B // Bk)
     bm = b % mask.shape[0]
@@ -296,45 +305,36 @@ def _task_of(position, B, Hkv, n_head_blocks, n_q_tiles):
 
 
 @kernel
-def _run_slot(next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
-              qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds, slot):
-    """Run tasks on thread slot ``slot``'s scratch until none is left: each takes the next task number from the
-    shared counter ``next_task`` (dynamic scheduling: a slot slowed down by another process simply runs fewer)."""
-    B, Hq, Nq, _ = q.shape
-    Hkv = k.shape[1]
-    group = Hq // Hkv
-    n_head_blocks = -(-group // HEADS_PER_TASK)
-    n_q_tiles = -(-Nq // Q_TILE)
-    n_tasks = B * Hkv * n_head_blocks * n_q_tiles
-    while True:
-        position = fetch_add(next_task)
-        if position >= n_tasks:
-            return
-        b, g, head_block, q_tile = _task_of(position, B, Hkv, n_head_blocks, n_q_tiles)
-        h_first = g * group + head_block * HEADS_PER_TASK
-        n_heads = min(HEADS_PER_TASK, group - head_block * HEADS_PER_TASK)
-        _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
-              b, g, h_first, n_heads, q_tile * Q_TILE, qt[slot], ks[slot], vs[slot], st[slot], mt[slot],
-              o[slot], m[slot], l[slot], alpha[slot], tile_max[slot], kinds[slot])
+def _n_tasks(q, k):
+    group = q.shape[1] // k.shape[1]
+    return q.shape[0] * k.shape[1] * -(-group // HEADS_PER_TASK) * -(-q.shape[2] // Q_TILE)
 
 
-#: The drivers' unit (``_kernel.call_any_layout``): ``_run_slot`` on every driver argument and a slot number.
-UNIT = (_run_slot, tuple(range(24)), (types.int64,))
+#: The drivers' unit (``_kernel.call_any_layout``): ``_task`` on the driver's arguments after ``next_task``, a
+#: thread slot and a task number.
+UNIT = (_task, tuple(range(1, 24)), (types.int64, types.int64))
 
 
 @kernel
 def _run_serial(unit, next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
                 qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds):
-    call_unit(unit, (next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
-                     qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds, np.int64(0)))
+    for position in range(_n_tasks(q, k)):
+        call_unit(unit, (q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+                         qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds, np.int64(0), np.int64(position)))
 
 
 @kernel(parallel=True)
 def _run_parallel(unit, next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
                   qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds):
+    """Each thread slot runs tasks on its own scratch until none is left, taking the next task number from the
+    shared counter ``next_task`` (dynamic scheduling: a slot slowed down by another process simply runs fewer)."""
+    n_tasks = _n_tasks(q, k)
     for slot in prange(qt.shape[0]):
-        call_unit(unit, (next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap,
-                         out, qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds, np.int64(slot)))
+        position = fetch_add(next_task)
+        while position < n_tasks:
+            call_unit(unit, (q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
+                             qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds, np.int64(slot), position))
+            position = fetch_add(next_task)
 
 
 _NO_MASK = np.zeros((1, 1, 1, 1), np.float32)
