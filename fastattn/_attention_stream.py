@@ -7,7 +7,6 @@ accumulators in registers across the block's rows.
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
 from numba import types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
@@ -16,7 +15,7 @@ from ._attention_nonfinite import drop_mixed
 from ._attention_rows import ROWS, _axpy1, _axpy4, _dot1, _dot4, _prefetch_row
 from ._attention_softmax import NEG_INF, _block_mask, _block_weights, _live_rows, _mask_terms, _score
 from ._kernel import kernel
-from ._simd import KERNEL_DTYPES, V8, as_int64, const, load8, loop, splat
+from ._simd import KERNEL_DTYPES, V8, as_int64, const, fma, load8, loop, splat
 
 #: ``stream_rows`` by column slices: V columns per ``_values_columns`` call (two 8-wide vectors per head), one
 #: slice after every COLUMN_EVERY scored K rows, and K rows prefetched this many rows ahead of the row scored.
@@ -71,7 +70,6 @@ def _values_columns_codegen(n_heads: int):
             start = builder.add(builder.mul(head, DV), c0)
             a_ptrs += [builder.bitcast(builder.gep(A.data, [builder.add(start, const(8 * v))]), v8p) for v in range(2)]
             p_rows.append(builder.gep(p.data, [builder.mul(head, ldp)]))
-        fma = builder.module.declare_intrinsic("llvm.fma.v8f32", (), ir.FunctionType(V8, [V8, V8, V8]))
 
         def step(x, acc):
             r = builder.load(builder.gep(rows.data, [x]), align=8)
@@ -80,7 +78,7 @@ def _values_columns_codegen(n_heads: int):
             out = []
             for h in range(n_heads):
                 w = splat(builder, builder.load(builder.gep(p_rows[h], [r]), align=4))
-                out += [builder.call(fma, [w, vv[v], acc[2 * h + v]]) for v in range(2)]
+                out += [fma(builder, w, vv[v], acc[2 * h + v]) for v in range(2)]
             return out
 
         start = [builder.load(ptr, align=4) for ptr in a_ptrs]

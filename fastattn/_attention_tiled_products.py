@@ -15,7 +15,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from ._kernel import kernel
-from ._simd import V8, as_int64, const, loop, splat
+from ._simd import V8, as_int64, const, fma, loop, splat
 
 #: The score product sums the head dimension in runs of this many terms, each in fresh accumulators, then adds
 #: the runs. One FMA chain over all of DK had up to 2.6x the max score error of NumPy's float32 matmul at D 576
@@ -66,7 +66,6 @@ def _block_codegen(a_transposed: bool, scaled_accumulate: bool, k_chunk: int = 0
                 start.extend(builder.fmul(builder.load(p, align=4), scale) for p in c_ptrs[2 * r:2 * r + 2])
         else:
             start = [ir.Constant(V8, [0.0] * 8)] * (2 * BLOCK_ROWS)
-        fma = builder.module.declare_intrinsic("llvm.fma.v8f32", (), ir.FunctionType(V8, [V8, V8, V8]))
 
         def step(kk, acc):
             b_row = builder.gep(b.data, [builder.add(builder.mul(kk, ldb), col0)])
@@ -75,7 +74,7 @@ def _block_codegen(a_transposed: bool, scaled_accumulate: bool, k_chunk: int = 0
             out = []
             for r in range(BLOCK_ROWS):
                 x = splat(builder, builder.load(builder.gep(a_rows[r], [a_offset]), align=4))
-                out.extend(builder.call(fma, [x, bv[v], acc[2 * r + v]]) for v in range(2))
+                out.extend(fma(builder, x, bv[v], acc[2 * r + v]) for v in range(2))
             return out
 
         if k_chunk:
@@ -122,9 +121,7 @@ def _fma(typingctx, a, b, c):
         raise TypingError("_fma: expected float32 arguments")
 
     def codegen(context, builder, signature, args):
-        f32 = ir.FloatType()
-        fn = builder.module.declare_intrinsic("llvm.fma.f32", (), ir.FunctionType(f32, [f32, f32, f32]))
-        return builder.call(fn, list(args))
+        return fma(builder, *args)
 
     return types.float32(a, b, c), codegen
 
