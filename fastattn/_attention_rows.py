@@ -26,13 +26,14 @@ from ._simd import KERNEL_DTYPES, LANES, V8, as_int64, const, fma, hsum, load1, 
 ROWS = 32
 
 
-def _is_c(arr, dtypes, ndim):
+def is_c(arr, dtypes, ndim):
+    """Whether ``arr`` is an ndim-D C-contiguous array of one of ``dtypes`` (typing of the intrinsics)."""
     return isinstance(arr, types.Array) and arr.dtype in dtypes and arr.ndim == ndim and arr.layout == "C"
 
 
 def _check_rows(name, matrix, rows, offsets, stride):
     """``matrix``: qs or p (2-D C float32); ``rows``: K or V (1-D C, a kernel dtype); integer offsets and stride."""
-    if not (_is_c(matrix, (types.float32,), 2) and _is_c(rows, KERNEL_DTYPES, 1)
+    if not (is_c(matrix, (types.float32,), 2) and is_c(rows, KERNEL_DTYPES, 1)
             and all(isinstance(t, types.Integer) for t in (*offsets, stride))):
         raise TypingError(f"{name}: expected a 2-D C float32 array, a 1-D C array of float32 or float16/bfloat16 "
                           f"bits, integer offsets and stride; got {matrix}, {rows}, {offsets}, {stride}")
@@ -144,7 +145,8 @@ def _axpy_codegen(n_rows: int, n_heads: int):
                 builder.store(update(builder.load(ptr, align=4), wide[h], v), ptr, align=4)
             return []
 
-        loop(builder, const(0), _columns(builder, DV, vcs), const(LANES), [], vector_step)
+        n8 = _columns(builder, DV, vcs)
+        loop(builder, const(0), n8, const(LANES), [], vector_step)
 
         def scalar_step(d, _):
             at = builder.mul(d, vcs)
@@ -154,15 +156,15 @@ def _axpy_codegen(n_rows: int, n_heads: int):
                 builder.store(update(builder.load(ptr, align=4), weights[h], v), ptr, align=4)
             return []
 
-        loop(builder, _columns(builder, DV, vcs), DV, const(1), [], scalar_step)
+        loop(builder, n8, DV, const(1), [], scalar_step)
         return context.get_dummy_value()
 
     return codegen
 
 
 def _check_axpy(name, A, a0, DV, p, vf, ints):
-    if not (_is_c(A, (types.float32,), 1) and _is_c(vf, KERNEL_DTYPES, 1)
-            and (p == types.float32 or _is_c(p, (types.float32,), 2))
+    if not (is_c(A, (types.float32,), 1) and is_c(vf, KERNEL_DTYPES, 1)
+            and (p == types.float32 or is_c(p, (types.float32,), 2))
             and all(isinstance(t, types.Integer) for t in (a0, DV, *ints))):
         raise TypingError(f"{name}: expected A 1-D C float32, weights float32, V rows 1-D C float32 or "
                           f"float16/bfloat16 bits and integer offsets; got {A}, {p}, {vf}")

@@ -12,7 +12,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 
 from ._attention_nonfinite import drop_mixed
-from ._attention_rows import ROWS, _axpy1, _axpy4, _dot1, _dot4, _prefetch_row
+from ._attention_rows import ROWS, _axpy1, _axpy4, _dot1, _dot4, _prefetch_row, is_c
 from ._attention_softmax import NEG_INF, _block_mask, _block_weights, _live_rows, _mask_terms, _score
 from ._kernel import kernel
 from ._simd import KERNEL_DTYPES, V8, as_int64, const, fma, load8, loop, splat
@@ -90,10 +90,8 @@ def _values_columns_codegen(n_heads: int):
 
 
 def _check_values_columns(A, p, rows, vf):
-    def is_c(arr, dtype, ndim):
-        return isinstance(arr, types.Array) and arr.dtype == dtype and arr.layout == "C" and arr.ndim == ndim
-    if not (is_c(A, types.float32, 1) and is_c(p, types.float32, 2) and is_c(rows, types.int64, 1)
-            and any(is_c(vf, dtype, 1) for dtype in KERNEL_DTYPES)):
+    if not (is_c(A, (types.float32,), 1) and is_c(p, (types.float32,), 2) and is_c(rows, (types.int64,), 1)
+            and is_c(vf, KERNEL_DTYPES, 1)):
         raise TypingError("_values_columns: A 1-D C float32, p 2-D C float32, rows 1-D C int64, vf 1-D C float32 "
                           "or float16 / bfloat16 bits")
 

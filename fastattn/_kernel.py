@@ -30,7 +30,7 @@ from numba.extending import intrinsic
 
 from . import _notices  # noqa: F401  (installs the compile notices: one stderr line per first-use compile)
 from . import _validate
-from ._simd import prefetch_line
+from ._simd import KERNEL_DTYPES, prefetch_line, widen
 
 FASTMATH = frozenset({"contract", "arcp", "reassoc", "nsz", "afn"})
 
@@ -82,13 +82,8 @@ def kernel_view(a: np.ndarray) -> np.ndarray:
 def _widen(builder, value, typ):
     """LLVM float32 of one element ``value`` of Numba type ``typ`` (float16 bits uint16, bfloat16 bits int16 or a
     float)."""
-    if typ == types.uint16:
-        return builder.fpext(builder.bitcast(value, ir.HalfType()), ir.FloatType())
-    if typ == types.int16:
-        wide = builder.shl(builder.zext(value, ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
-        return builder.bitcast(wide, ir.FloatType())
-    if typ == types.float32:
-        return value
+    if typ in KERNEL_DTYPES:
+        return widen(builder, value, typ)
     return builder.fptrunc(value, ir.FloatType())
 
 

@@ -62,14 +62,18 @@ def load8(builder, dtype, data, offset):
     return builder.bitcast(wide, V8)
 
 
+def widen(builder, value, dtype):
+    """One element ``value`` of kernel dtype ``dtype`` (float32, float16 bits, bfloat16 bits) as float, exactly."""
+    if dtype == types.float32:
+        return value
+    if dtype == types.uint16:
+        return builder.fpext(builder.bitcast(value, ir.HalfType()), ir.FloatType())
+    return builder.bitcast(builder.shl(builder.zext(value, I32), ir.Constant(I32, 16)), ir.FloatType())
+
+
 def load1(builder, dtype, data, offset):
     """Element ``offset`` of ``data`` (a pointer to ``dtype`` elements) widened to float."""
-    if dtype == types.float32:
-        return builder.load(builder.gep(data, [offset]), align=4)
-    bits = builder.load(builder.gep(data, [offset]), align=2)
-    if dtype == types.uint16:
-        return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
-    return builder.bitcast(builder.shl(builder.zext(bits, I32), ir.Constant(I32, 16)), ir.FloatType())
+    return widen(builder, builder.load(builder.gep(data, [offset]), align=dtype.bitwidth // 8), dtype)
 
 
 def hsum(builder, v):

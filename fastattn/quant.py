@@ -32,7 +32,7 @@ from . import _layout, _threads
 from ._kernel import (_f16_bits_to_f32, _f32_to_f16_bits, any_layout, assume_contiguous, call_any_layout, kernel,
                       kernel_view, to_f32)
 from ._quantized import BLOCK, BLOCK_BYTES, QTYPE_CODES, Quantized, quantized_array, values_array
-from ._simd import KERNEL_DTYPES, LANES, V8, as_int64, const, load8, shuffle, splat
+from ._simd import KERNEL_DTYPES, LANES, V8, as_int64, const, load1, load8, shuffle, splat
 
 Q8_0 = QTYPE_CODES["q8_0"]
 Q4_0 = QTYPE_CODES["q4_0"]
@@ -213,18 +213,6 @@ def _check_block_vector(name, x, j0, out, o):
         raise TypingError(f"{name}: expected a 1-D C float row, an offset, 1-D C uint8 and an offset")
 
 
-def _load_value(builder, dtype, data, offset):
-    """Element ``offset`` of ``data`` (float32, float16 bits or bfloat16 bits) widened to float32, exactly."""
-    f32 = ir.FloatType()
-    if dtype == types.float32:
-        return builder.load(builder.gep(data, [offset]), align=4)
-    bits = builder.load(builder.gep(data, [offset]), align=2)
-    if dtype == types.uint16:
-        return builder.fpext(builder.bitcast(bits, ir.HalfType()), f32)
-    i32 = ir.IntType(32)
-    return builder.bitcast(builder.shl(builder.zext(bits, i32), ir.Constant(i32, 16)), f32)
-
-
 def _q4_0_vector_codegen(context, builder, signature, llargs):
     x = context.make_array(signature.args[0])(context, builder, llargs[0])
     out = context.make_array(signature.args[2])(context, builder, llargs[2])
@@ -255,7 +243,7 @@ def _q4_0_vector_codegen(context, builder, signature, llargs):
     first = builder.zext(builder.call(cttz, [lanes, ir.Constant(ir.IntType(1), 0)]), ir.IntType(64))
     first = builder.select(builder.icmp_unsigned("<", first, const(BLOCK)), first, const(0))  # no lane: any
     m = builder.select(builder.icmp_unsigned("==", top, ir.Constant(i32, 0)), ir.Constant(f32, 0.0),
-                       _load_value(builder, dtype, x.data, builder.add(j0, first)))
+                       load1(builder, dtype, x.data, builder.add(j0, first)))
     d = builder.fdiv(m, ir.Constant(f32, -8.0))
     inverse = builder.select(builder.fcmp_ordered("!=", d, ir.Constant(f32, 0.0)),
                              builder.fdiv(ir.Constant(f32, 1.0), d), ir.Constant(f32, 0.0))
