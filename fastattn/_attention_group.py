@@ -40,13 +40,15 @@ steps on it).
 from __future__ import annotations
 
 import numpy as np
+from numba import types
+from numba.np import numpy_support
 
 from ._attention_nonfinite import sanitised_rows
 from ._attention_quantized import block_rows, row_elements, row_scratch
 from ._attention_rows import ROWS, _axpy1, _axpy4, _axpy4x2, _axpy4x4, _dot1, _dot4, _dot4x2, _prefetch_row
 from ._attention_softmax import NEG_INF, _block_mask, _block_weights, _live_rows, _mask_terms, _score
 from ._attention_stream import stream_if_float32
-from ._kernel import kernel
+from ._kernel import kernel, unit_address
 
 #: Software prefetch distances: K rows this many bytes ahead of the rows being scored, V rows this many (at
 #: least the next block). With cold K/V the arithmetic of a block left too few misses in flight for the hardware
@@ -194,3 +196,32 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
                     _axpy1(A, g * DV, DV, sc[g, r1], src, sb + r1 * srs, scs)
             g += width
 
+
+
+_F32_ROW = types.Array(types.float32, 1, "C")
+_F32_BLOCK = types.Array(types.float32, 2, "C")
+_handles: dict = {}
+
+
+def group_rows_handle(k_dtype: np.dtype, v_dtype: np.dtype, mask_dtype: np.dtype | None,
+                      per_head: bool | None) -> np.ndarray:
+    """``group_rows``' address (``_kernel.unit_address``) for the argument types the one_chunk and split_kv units
+    pass it: K/V and mask kernel-view dtypes (``mask_dtype`` None: no mask), ``per_head`` None or True as the
+    units' ``per_head``. The units call it by address: linked into each unit, its code would be optimised and
+    emitted again for each (about 2 s per unit and dtype combination)."""
+    key = (k_dtype, v_dtype, mask_dtype, per_head)
+    handle = _handles.get(key)
+    if handle is None:
+        def rows(dtype):
+            return types.Tuple((types.Array(numpy_support.from_dtype(dtype), 1, "C"), types.int64, types.int64,
+                                types.int64))
+        # flat_mask's array: none without a mask, else optional (its two returns unified)
+        mf = types.none if mask_dtype is None else types.Optional(
+            types.Array(numpy_support.from_dtype(mask_dtype), 1, "C"))
+        mask_at = types.Tuple((types.int64, types.int64, types.int64, types.int64,
+                               types.none if per_head is None else types.boolean))
+        arg_types = (_F32_BLOCK, rows(k_dtype), rows(v_dtype), mf, mask_at, _F32_ROW, types.int64, types.float32,
+                     types.float32, types.int64, types.int64, types.UniTuple(_F32_ROW, 3),
+                     types.Tuple((_F32_BLOCK, types.Array(types.int64, 1, "C"))), types.boolean)
+        handle = _handles[key] = unit_address(group_rows, arg_types)
+    return handle

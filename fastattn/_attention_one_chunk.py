@@ -19,13 +19,13 @@ import numpy as np
 from numba import prange, types
 
 from . import _threads
-from ._attention_group import group_rows, load_group_queries
+from ._attention_group import group_rows_handle, load_group_queries
 from ._attention_stream import stream_rows
 from ._attention_layout import element_strides, flat4, flat_mask, live_range, no_sinks, spans_of
 from ._attention_rows import ROWS
 from ._attention_softmax import finalize
 from ._dispatch import aligned, meta, overlaps, unit_rows
-from ._kernel import assume_contiguous, call_any_layout, call_unit, fetch_add, kernel, use_threads
+from ._kernel import assume_contiguous, call_any_layout, call_unit, check_unit, fetch_add, kernel, use_threads
 from ._validate import FLOAT32_MAX  # the largest |scale|: the fast path declines the rest, the general path raises
 
 #: Query rows per work unit: enough units to balance two threads at small Nq, few enough to amortise the scratch.
@@ -37,8 +37,8 @@ STRIDED = (0, 1, 2, 3, 8)
 
 
 @kernel(inline=True)
-def _unit_rows(rows_fn, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, u):
-    """Unit ``u`` (module docstring), each query row's group run by ``rows_fn`` (``group_rows``' arguments)."""
+def _unit_rows(rows_fn, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u):
+    """Unit ``u`` (module docstring), each query row's group run by ``rows_fn(rows, group_rows' arguments)``."""
     B, Hq, Nq, DK = q.shape
     Bk, Hkv, Nkv = k.shape[0], k.shape[1], k.shape[2]
     DV = out.shape[3]  # v's last axis counts bytes when V is quantized
@@ -56,7 +56,7 @@ def _unit_rows(rows_fn, q, k, v, mask, slopes, sinks, scale, softcap, out, spans
     h0 = kvh * G
     qs = np.empty((G, DK), np.float32)
     sc = np.empty((G, ROWS), np.float32)
-    rows = np.empty(ROWS, np.int64)
+    live = np.empty(ROWS, np.int64)
     M = np.empty(G, np.float32)
     S = np.empty(G, np.float32)
     A = np.empty(G * DV, np.float32)
@@ -70,56 +70,66 @@ def _unit_rows(rows_fn, q, k, v, mask, slopes, sinks, scale, softcap, out, spans
         # the mask's hidden ends left out; np.int64(0), not a literal 0: group_rows' argument types must be
         # split_kv's, which shares its compilation
         j0, j1 = live_range(spans, mask, b % Bm, h0, G, Hm, i, np.int64(0), Nkv)
-        rows_fn(qs, (kf, kbase, kst[2], kst[3]), (vf, vbase, vst[2], vst[3]), mf,
-                (mo + (b % Bm) * mst[0] + i * mst[2], mst[1], mst[3], Hm, per_head), slopes, h0, scale, softcap, j0,
-                j1, (M, S, A), (sc, rows), Nq == 1)
+        rows_fn(rows, (qs, (kf, kbase, kst[2], kst[3]), (vf, vbase, vst[2], vst[3]), mf,
+                       (mo + (b % Bm) * mst[0] + i * mst[2], mst[1], mst[3], np.int64(Hm), per_head), slopes, h0, scale,
+                       softcap, j0, j1, (M, S, A), (sc, live), Nq == 1))
         for g in range(G):
             finalize(M[g], S[g], A, g * DV, DV, sinks[h0 + g], of, oo + b * ost[0] + i * ost[1] + (h0 + g) * ost[2],
                      ost[3])
 
 
+@kernel(inline=True)
+def _by_address(handle, args):
+    call_unit(handle, args)
+
+
 @kernel
-def _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, u):
+def _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u):
     """The work unit ``u``. ``per_head``: True for a mask with a row per head, else None (then the per-head
-    handling of non-finite V rows is not compiled: ``_attention_nonfinite.sanitised_rows``)."""
-    _unit_rows(group_rows, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, u)
+    handling of non-finite V rows is not compiled: ``_attention_nonfinite.sanitised_rows``). ``rows``:
+    ``group_rows``' handle (``group_rows_handle``), called by address."""
+    _unit_rows(_by_address, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u)
 
 
 @kernel(inline=True)
-def _streamed(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch, streaming):
+def _streamed(handle, args):
+    qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch, streaming = args
     stream_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch)
 
 
 @kernel
-def _stream_unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, u):
+def _stream_unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u):
     """``_unit`` for the decode route on float32 K/V (one query row): ``stream_rows`` alone, as ``group_rows``
-    runs it for such a row, without compiling ``group_rows``' own float32 loops."""
-    _unit_rows(_streamed, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, u)
+    runs it for such a row, without compiling ``group_rows``' own float32 loops (``rows`` is not used)."""
+    _unit_rows(_streamed, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u)
 
 
-#: The drivers' unit (``_kernel.call_any_layout``): ``_unit`` on the drivers' first eleven arguments and a unit
+#: The drivers' unit (``_kernel.call_any_layout``): ``_unit`` on the drivers' first twelve arguments and a unit
 #: number.
-UNIT = (_unit, tuple(range(11)), (types.int64,))
+UNIT = (_unit, tuple(range(12)), (types.int64,))
+#: The handle a unit that calls no ``group_rows`` is passed (``_stream_unit``).
+NO_ROWS = np.zeros(3, np.int64)
 #: The decode route's unit on float32 K/V (``attention._route_unit``).
 STREAM_UNIT = _stream_unit
 
 
 @kernel
-def _serial(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head):
+def _serial(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows):
     n_units = q.shape[0] * k.shape[1] * ((q.shape[2] + ROW_CHUNK - 1) // ROW_CHUNK)
     for u in range(n_units):
-        call_unit(unit, (q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, u))
+        call_unit(unit, (q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u))
 
 
 @kernel(parallel=True)
-def _parallel(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, next_unit, n_threads):
+def _parallel(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, next_unit,
+              n_threads):
     n_units = q.shape[0] * k.shape[1] * ((q.shape[2] + ROW_CHUNK - 1) // ROW_CHUNK)
     # one iteration per thread, each taking units from the shared counter: decode has few units (one per KV
     # head), and a static split leaves a thread whose core is busy elsewhere deciding the time
     for _ in prange(n_threads):
         u = fetch_add(next_unit)
         while u < n_units:
-            call_unit(unit, (q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, u))
+            call_unit(unit, (q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u))
             u = fetch_add(next_unit)
 
 
@@ -136,14 +146,17 @@ def run_one_chunk(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     # Each query row streams the whole K and V of its KV head (from cache after the first rows).
     nbytes = B * Nq * Hkv * Nkv * (k.shape[3] * k.itemsize + v.shape[3] * v.itemsize)
     n_threads = _threads.threads_for(nbytes)
+    per_head = None if mask is None or mask.shape[1] == 1 else True
+    rows = group_rows_handle(k.dtype, v.dtype, None if mask is None else mask.dtype, per_head)
     args = (element_strides(q), element_strides(k), element_strides(v),
             None if mask is None else element_strides(mask), slopes, sinks, np.float32(scale), np.float32(softcap),
-            out, spans_of(mask, Nq), None if mask is None or mask.shape[1] == 1 else True)
+            out, spans_of(mask, Nq), per_head, rows)
     if n_threads > 1:
         with _threads.team("one_chunk", nbytes, n_threads) as launch:
             call_any_layout(_parallel, STRIDED, *args, np.zeros(1, np.int64), launch.n, unit=UNIT)
     else:
         call_any_layout(_serial, STRIDED, *args, unit=UNIT)
+    check_unit(rows)
 
 
 @kernel
@@ -156,8 +169,8 @@ def splits_decode(B, Nq, Hkv, Nkv, same_storage, n_threads, min_nkv, min_units_p
 
 
 @kernel
-def decode_fast(unit, q, k, v, out, slopes, sinks, scale, auto_splittable, min_nkv, min_units_per_thread, min_bytes,
-                n_threads, launch_threads):
+def decode_fast(unit, rows, q, k, v, out, slopes, sinks, scale, auto_splittable, min_nkv, min_units_per_thread,
+                min_bytes, n_threads, launch_threads):
     """The decode fast path of ``flash_attn_ext`` (``_dispatch``): one_chunk on q (B, Hq, 1, DK) float32 and
     k/v kernel views, no mask, softcap or ALiBi, slopes all ones and sinks -inf (Hq,). Returns False, having
     written nothing, unless the shapes are valid (no empty axis, DK matching, v like k, Hkv | Hq, Bk | B, out
@@ -188,8 +201,8 @@ def decode_fast(unit, q, k, v, out, slopes, sinks, scale, auto_splittable, min_n
     if launch_threads > 1 and nbytes >= min_bytes:
         use_threads(launch_threads)
         _parallel(unit, q, k, v, None, slopes_c, sinks_c, np.float32(scale), np.float32(0.0), out,
-                  np.zeros((1, 1, 1, 2), np.int64), None, np.zeros(1, np.int64), launch_threads)
+                  np.zeros((1, 1, 1, 2), np.int64), None, rows, np.zeros(1, np.int64), launch_threads)
     else:
         _serial(unit, q, k, v, None, slopes_c, sinks_c, np.float32(scale), np.float32(0.0), out,
-                np.zeros((1, 1, 1, 2), np.int64), None)
+                np.zeros((1, 1, 1, 2), np.int64), None, rows)
     return True

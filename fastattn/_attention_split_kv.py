@@ -33,11 +33,11 @@ import numpy as np
 from numba import prange, types
 
 from . import _threads
-from ._attention_group import group_rows, load_group_queries
+from ._attention_group import group_rows_handle, load_group_queries
 from ._attention_layout import element_strides, flat4, flat_mask, live_range, no_sinks, spans_of
 from ._attention_rows import ROWS
 from ._attention_softmax import finalize
-from ._kernel import call_any_layout, call_unit, fast_exp, fetch_add, kernel
+from ._kernel import call_any_layout, call_unit, check_unit, fast_exp, fetch_add, kernel
 
 #: Rows per chunk aimed at. Each chunk costs a unit's setup, its partials and a fold step; measured on the
 #: 2-core machine (1 thread, cold cache), 512-1024-row chunks ran 4-20% faster than 256-row ones and matched
@@ -80,7 +80,8 @@ STRIDED = (0, 1, 2, 3, 8)
 
 
 @kernel
-def _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, per_head, u):
+def _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, per_head, group, u):
+    """Unit ``u`` (module docstring); ``group``: ``group_rows``' handle (``group_rows_handle``), called by address."""
     B, Hq, _, DK = q.shape
     Bk, Hkv, Nkv = k.shape[0], k.shape[1], k.shape[2]
     qf, qo, qst = flat4(q)
@@ -109,10 +110,10 @@ def _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, per_h
     # the chunk's rows less the mask's hidden ends: a chunk outside the live keys leaves the empty partial
     j0, j1 = live_range(spans, mask, b % Bm, h0, G, Hm, np.int64(0), c * rows, min(Nkv, (c + 1) * rows))
     # streaming as a bool, not a literal True: the argument types are one_chunk's, which shares the compilation
-    group_rows(qs, (kf, ko + kb * kst[0] + kvh * kst[1], kst[2], kst[3]),
-               (vf, vo + kb * vst[0] + kvh * vst[1], vst[2], vst[3]), mf,
-               (mo + (b % Bm) * mst[0], mst[1], mst[3], Hm, per_head), slopes, h0, scale, softcap, j0, j1,
-               (M, S, A), (sc, live), q.shape[2] == 1)
+    call_unit(group, (qs, (kf, ko + kb * kst[0] + kvh * kst[1], kst[2], kst[3]),
+                      (vf, vo + kb * vst[0] + kvh * vst[1], vst[2], vst[3]), mf,
+                      (mo + (b % Bm) * mst[0], mst[1], mst[3], np.int64(Hm), per_head), slopes, h0, scale, softcap,
+                      j0, j1, (M, S, A), (sc, live), q.shape[2] == 1))
     out_partial = Ap[b, kvh, c]
     for d in range(A.shape[0]):  # not ``Ap[b, kvh, c] = A``: that compiles NumPy's shape-error formatting
         out_partial[d] = A[d]
@@ -149,19 +150,19 @@ def _fold(Mp, Sp, Ap, sinks, out, bh):
 
 #: The drivers' unit (``_kernel.call_any_layout``): ``_chunk`` on these driver arguments and a unit number;
 #: ``per_head`` as one_chunk's (``_attention_one_chunk.UNIT``).
-UNIT = (_chunk, (0, 1, 2, 3, 4, 6, 7, 9, 10, 11, 12, 13, 14), (types.int64,))
+UNIT = (_chunk, (0, 1, 2, 3, 4, 6, 7, 9, 10, 11, 12, 13, 14, 15), (types.int64,))
 
 
 @kernel
-def _serial(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap, spans, per_head):
+def _serial(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap, spans, per_head, group):
     for u in range(Mp.shape[0] * Mp.shape[1] * Mp.shape[2]):
-        call_unit(unit, (q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, per_head, u))
+        call_unit(unit, (q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, per_head, group, u))
     for bh in range(q.shape[0] * q.shape[1]):
         _fold(Mp, Sp, Ap, sinks, out, bh)
 
 
 @kernel(parallel=True)
-def _parallel(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap, spans, per_head,
+def _parallel(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap, spans, per_head, group,
               next_unit, n_threads):
     n_units = Mp.shape[0] * Mp.shape[1] * Mp.shape[2]
     # One iteration per thread. The units are cut into n_threads ranges of adjacent units (adjacent KV chunks of
@@ -176,7 +177,7 @@ def _parallel(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp,
             counter = next_unit[r * COUNTER_STRIDE:r * COUNTER_STRIDE + 1]
             u = lo + fetch_add(counter)
             while u < hi:
-                call_unit(unit, (q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, per_head, u))
+                call_unit(unit, (q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, per_head, group, u))
                 u = lo + fetch_add(counter)
     # The folds are ~1% of the work: on the calling thread, saving a second fork-join of the pool.
     for bh in range(q.shape[0] * q.shape[1]):
@@ -203,12 +204,15 @@ def run_split_kv(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     Mp, Sp, Ap = _partials(B, Hkv, n_chunks, Hq // Hkv, DV)
     nbytes = B * Hkv * Nkv * (k.shape[3] * k.itemsize + v.shape[3] * v.itemsize)
     n_threads = _threads.threads_for(nbytes)
+    per_head = None if mask is None or mask.shape[1] == 1 else True
+    group = group_rows_handle(k.dtype, v.dtype, None if mask is None else mask.dtype, per_head)
     args = (element_strides(q), element_strides(k), element_strides(v),
             None if mask is None else element_strides(mask), slopes, sinks, np.float32(scale), np.float32(softcap),
-            out, rows, Mp, Sp, Ap, spans_of(mask, 1), None if mask is None or mask.shape[1] == 1 else True)
+            out, rows, Mp, Sp, Ap, spans_of(mask, 1), per_head, group)
     if n_threads > 1:
         with _threads.team("split_kv", nbytes, n_threads) as launch:
             call_any_layout(_parallel, STRIDED, *args, np.zeros(launch.n * COUNTER_STRIDE, np.int64), launch.n,
                             unit=UNIT)
     else:
         call_any_layout(_serial, STRIDED, *args, unit=UNIT)
+    check_unit(group)

@@ -43,7 +43,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 from numba.np import numpy_support
 
-from ._kernel import _HALF_VIEW, check_unit, kernel, unit_address
+from ._kernel import _HALF_VIEW, check_unit, kernel
 
 
 def array_type(dtype: np.dtype, ndim: int) -> types.Array:
@@ -69,9 +69,9 @@ class Route:
     ``kernel``: the entry kernel (a ``numba.njit`` dispatcher) returning True when it did the work, False when it
     declined having written nothing. ``arg_types(*key)``: the Numba types of its parameters for a key (a tuple of
     dtypes, None and small ints that determines them; the caller guarantees every array's number of axes).
-    ``unit(*key)``, for an entry kernel whose first parameter is a work unit's handle (``_kernel.call_unit``):
-    the unit kernel and its argument types; the entry point is stored with the handle bound, so callers pass the
-    parameters after it.
+    ``unit(*key)``, for an entry kernel whose first parameters are work units' handles (``_kernel.call_unit``):
+    those handles (``_kernel.unit_address``); the entry point is stored with them bound, so callers pass the
+    parameters after them.
     """
 
     def __init__(self, name: str, kernel, arg_types: Callable[..., tuple], unit: Callable | None = None):
@@ -100,14 +100,14 @@ class Route:
                 entry = self.entries.get(key)
                 if entry is None:
                     arg_types = self.arg_types(*key)
-                    handle = None
+                    handles = ()
                     if self.unit is not None:
-                        handle = self.handles[key] = unit_address(*self.unit(*key))
-                        arg_types = (numba.typeof(handle),) + arg_types
+                        handles = self.handles[key] = self.unit(*key)
+                        arg_types = tuple(numba.typeof(h) for h in handles) + arg_types
                     self.kernel.compile(arg_types)
                     entry = self.kernel.overloads[arg_types].entry_point
-                    if handle is not None:
-                        entry = functools.partial(entry, handle)
+                    if handles:
+                        entry = functools.partial(entry, *handles)
                     self.entries[key] = entry
         return entry
 
@@ -118,8 +118,7 @@ class Route:
         if entry is None:
             return False
         taken = entry(*args)
-        handle = self.handles.get(key)
-        if handle is not None:
+        for handle in self.handles.get(key, ()):
             check_unit(handle)
         if not taken:
             return False

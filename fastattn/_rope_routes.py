@@ -27,7 +27,7 @@ from numba.extending import overload
 
 from ._dispatch import (Route, aligned, array_type, c_contiguous, meta, overlaps, rows_writable, same_view,
                         unit_rows)
-from ._kernel import any_layout, assume_contiguous, call_unit, use_threads
+from ._kernel import any_layout, assume_contiguous, call_unit, unit_address, use_threads
 from ._rope_drivers import CACHED_UNIT, FUSED_UNIT, drive_fused, drive_parallel
 from ._rope_rotate import _EXACT, _INLINE, _PICK, ROWS_UNIT, rope_block, token_layout_of
 from ._validate import FLOAT32
@@ -277,15 +277,16 @@ PLAN_TYPE = types.Tuple((array_type(_INT64, 1),) + (array_type(_FLOAT64, 1),) * 
 
 
 def _fused_unit(x_dtype, out_dtype, out_ndim, idx_dtype) -> tuple:
-    """``_fused_tasks`` and the types ``_fused_tokens`` / ``_fused_write`` hand ``drive_fused``."""
+    """The handle of ``_fused_tasks`` for the types ``_fused_tokens`` / ``_fused_write`` hand ``drive_fused``."""
     x4 = array_type(x_dtype, 4)
     if idx_dtype is None:
         out, idx, keep, in_place = array_type(out_dtype, 4), types.none, types.none, types.boolean
     else:  # the cache as (R, H, D); a fresh keep mask
         out = array_type(out_dtype, 3)
         idx, keep, in_place = array_type(idx_dtype, 1), types.Array(types.boolean, 1, "C"), types.boolean
-    return FUSED_UNIT[0], (x4, out, idx, keep, array_type(np.dtype(np.int32), 2)) + tuple(PLAN_TYPE.types[:6]) + (
-        types.boolean, in_place, types.int64, types.Array(types.int64, 1, "C"))
+    return (unit_address(FUSED_UNIT[0], (x4, out, idx, keep, array_type(np.dtype(np.int32), 2))
+                         + tuple(PLAN_TYPE.types[:6]) + (types.boolean, in_place, types.int64,
+                                                         types.Array(types.int64, 1, "C"))),)
 
 
 FUSED = Route("rope.fused", fused_entry, lambda x_dtype, out_dtype, out_ndim, idx_dtype: _out_types(
@@ -319,7 +320,7 @@ def cached_prefill_entry(unit, x, out, cs, pairing, min_bytes, n_threads):
 
 CACHED_PREFILL = Route("rope.cached_prefill", cached_prefill_entry, lambda x_dtype: (
     array_type(x_dtype, 3), array_type(x_dtype, 3), _F32_TABLE, PAIRING_TYPE, types.int64, types.int64),
-    lambda x_dtype: (CACHED_UNIT[0], (array_type(x_dtype, 4), array_type(x_dtype, 4), types.none, types.none,
-                                      _F32_TABLE, types.int64, types.boolean, types.boolean, types.int64,
-                                      types.Array(types.int64, 1, "C"))))
+    lambda x_dtype: (unit_address(CACHED_UNIT[0], (array_type(x_dtype, 4), array_type(x_dtype, 4), types.none,
+                                                   types.none, _F32_TABLE, types.int64, types.boolean,
+                                                   types.boolean, types.int64, types.Array(types.int64, 1, "C"))),))
 
