@@ -34,8 +34,8 @@ sink) gives exact zeros.
 The pieces live by job: ``_attention_rows`` (the register-block dot products and V updates), ``_attention_softmax``
 (mask terms, block weights, finalize), ``_attention_nonfinite`` (V rows holding inf/NaN under per-head masks),
 ``_attention_stream`` (float32 decode with K and V read side by side), ``_attention_layout`` (flat views) and
-``_attention_quantized`` (Q8_0 / Q4_0 K/V: each block's rows widened once into a float32 scratch, then the same
-steps on it).
+``_attention_quantized`` (Q8_0 / Q4_0 K/V: read in place, each block widened in registers by the row
+intrinsics).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from numba import types
 from numba.np import numpy_support
 
 from ._attention_nonfinite import sanitised_rows
-from ._attention_quantized import block_rows, row_elements, row_scratch
+from ._attention_quantized import row_elements, row_scratch, v_block_rows
 from ._attention_rows import ROWS, _axpy1, _axpy4, _axpy4x2, _axpy4x4, _dot1, _dot4, _dot4x2, _prefetch_row
 from ._attention_softmax import NEG_INF, _block_mask, _block_weights, _live_rows, _mask_terms, _score
 from ._attention_stream import stream_if_float32
@@ -101,8 +101,8 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
     v_lines = -(-v_row // v_step) if vcs_q == 1 else 0
     k_ahead = max(ROWS, PREFETCH_K // (k_row * kq.itemsize))
     v_ahead = max(ROWS, PREFETCH_V // (v_row * vq.itemsize))
-    # quantized K/V: the block's rows widened to float32, K's then V's in the same scratch (one L1-sized block)
-    widened = row_scratch(kq, DK, vq, DV)
+    # quantized V under a per-head mask: the block's rows widened to float32 (one L1-sized block)
+    widened = row_scratch(vq, DV, per_head_mask)
     for jb in range(j0, j1, ROWS):
         n = min(ROWS, j1 - jb)
         # 0. the block's mask: hidden from every head (skipped, K/V not read), all 0 (no terms) or terms to add
@@ -112,8 +112,8 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
         # 1. mask terms (the scores start from them; without terms the scores are assigned, not added)
         if terms:
             _mask_terms(sc, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb)
-        # quantized K: the rows some head scores, widened once for the whole group (float K: read in place)
-        kf, kbase, krs, kcs = block_rows(k_rows, DK, jb, sc, n, not terms, NEG_INF, rows, widened)
+        # K read in place (quantized rows: widened in registers by the dot products, _attention_quantized)
+        kf, kbase, krs, kcs = k_rows
         # 2. scores, the group's heads in register blocks against pairs of K rows (g not a literal 0: _score,
         # compiled once, would compile again for it)
         g = np.int64(0)
@@ -159,8 +159,8 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
             g += width
         # 3. per head: rescale to the new max, turn scores into weights
         _block_weights(sc, n, M, S, A)
-        # quantized V: the rows some head weighs, widened once for the whole group
-        vf, vbase, vrs, vcs = block_rows(v_rows, DV, jb, sc, n, mf is None, np.float32(0.0), rows, widened)
+        # V read in place, or quantized rows some head weighs widened for a per-head mask (_attention_quantized)
+        vf, vbase, vrs, vcs = v_block_rows(v_rows, DV, jb, sc, n, mf is None, rows, widened, per_head_mask)
         # 4. A += p v, same head blocks, V rows by fours then pairs
         g = np.int64(0)
         while g < G:

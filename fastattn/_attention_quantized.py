@@ -1,4 +1,4 @@
-"""Quantized K/V (Q8_0, Q4_0) in the attention kernels: blocks of rows widened once into float32 scratch.
+"""Quantized K/V (Q8_0, Q4_0) in the attention kernels: rows read in place or widened into float32 scratch.
 
 A ``Quantized`` K or V reaches the kernels as its bytes, and, as for float16 and bfloat16, the *integer type
 names the format* (``quant.bytes_view``):
@@ -9,12 +9,15 @@ names the format* (``quant.bytes_view``):
 so the flat views, offsets and strides of ``_attention_layout`` work unchanged, counted in bytes (a row of D values
 is D / 32 blocks; its last axis is contiguous by ``Quantized``'s rule).
 
-The kernels never dot a query with quantized bytes. ``block_rows`` widens the rows of one block that some head of
-the group reads into a float32 scratch (ROWS x D, in L1) once, and returns a row view of the scratch; the group's
-query heads then run the float32 loops on it. So each K/V row is dequantized once per query row and GQA group (not
-once per query head as in ggml), Q is never rounded, and the arithmetic is float32 throughout. ``q · d`` of a Q8_0
-or Q4_0 value is exact in float32 (at most 8 + 11 significant bits), so the widened values are exactly the
-reference's ``dequantize``. For float K/V every function here is the identity and compiles to nothing.
+The one_chunk and split_kv loops (``_attention_group``) read quantized rows in place: the row intrinsics of
+``_attention_rows`` widen each block's 32 values in registers once for the group's query heads and apply the
+block's scale to the block's sum (K: d · (q · k)) or to the weight (V: (p d) · q). So each K/V row is dequantized
+once per query row and GQA group (not once per query head as in ggml), Q is never rounded, and the arithmetic is
+float32 throughout; only the order of the roundings differs from a dot product with the dequantized values, by
+the error of a float32 evaluation. Under a mask with a row per head, V rows are widened into a float32 scratch
+first (``v_block_rows``: ``_attention_nonfinite`` copies and zeroes float rows). ``q · d`` of a Q8_0 or Q4_0
+value is exact in float32 (at most 8 + 11 significant bits), so widened values are exactly the reference's
+``dequantize``.
 
 ``widen_row`` does the same for the tiled path's K and V tiles (one row into a float32 scratch row).
 """
@@ -47,54 +50,49 @@ def _row_elements(f, n_values):
     return lambda f, n_values: n_values
 
 
-def row_scratch(kf, dk, vf, dv):
-    """Float32 scratch for one block of widened rows, shared by K and V (K's rows are done with before V's are
-    widened): ROWS rows of the longer quantized one; when both are float (read in place) an empty view of kf.
-    Kernel-only."""
+def row_scratch(vf, dv, per_head_mask):
+    """Float32 scratch for one block of V rows widened for ``sanitised_rows`` (quantized V under a mask with a row
+    per head: ``per_head_mask`` not None): ROWS rows; otherwise an empty view of vf. Kernel-only."""
     raise NotImplementedError
 
 
 @overload(row_scratch, inline="always")
-def _row_scratch(kf, dk, vf, dv):
-    k_quantized = block_bytes_of(kf.dtype) != 0
-    v_quantized = block_bytes_of(vf.dtype) != 0
-    if k_quantized and v_quantized:
-        return lambda kf, dk, vf, dv: np.empty(ROWS * max(dk, dv), np.float32)
-    if k_quantized:
-        return lambda kf, dk, vf, dv: np.empty(ROWS * dk, np.float32)
-    if v_quantized:
-        return lambda kf, dk, vf, dv: np.empty(ROWS * dv, np.float32)
-    return lambda kf, dk, vf, dv: kf[:0]  # unused by float K/V: an empty view, nothing allocated
+def _row_scratch(vf, dv, per_head_mask):
+    if block_bytes_of(vf.dtype) and not isinstance(per_head_mask, types.NoneType):
+        return lambda vf, dv, per_head_mask: np.empty(ROWS * dv, np.float32)
+    return lambda vf, dv, per_head_mask: vf[:0]  # unused: an empty view, nothing allocated
 
 
-def block_rows(rows_at, n_values, jb, sc, n, every, dead, rows, scratch):
-    """Rows jb .. jb+n of a block as the float32 loops read them. ``rows_at`` = (f, base, rs, cs): row j at flat
-    offset ``base + j * rs`` of f, column stride cs. Float data: ``rows_at`` itself. Quantized data: the rows r
-    where some head's sc[:, r] is not ``dead`` (all n when ``every``; listed in ``rows``) are widened into
-    ``scratch`` (row jb + r at r · n_values) and (scratch, -jb · n_values, n_values, 1) is returned, so row j is
-    again at ``base + j * rs``; the other rows are not read. Kernel-only."""
+def v_block_rows(rows_at, n_values, jb, sc, n, every, rows, scratch, per_head_mask):
+    """V rows jb .. jb+n of a block as the row updates read them. ``rows_at`` = (f, base, rs, cs): row j at flat
+    offset ``base + j * rs`` of f, column stride cs. Float data, and quantized data without a per-head mask
+    (``per_head_mask`` None): ``rows_at`` itself (quantized rows are widened in registers). Quantized data under a
+    per-head mask (whose non-finite rows ``sanitised_rows`` copies and zeroes as float32): the rows r where some
+    head's sc[:, r] is not 0 (all n when ``every``; listed in ``rows``) are widened into ``scratch`` (row jb + r at
+    r · n_values) and (scratch, -jb · n_values, n_values, 1) is returned, so row j is again at ``base + j * rs``;
+    the other rows are not read. Kernel-only."""
     raise NotImplementedError
 
 
 @kernel
-def _widen_block(f, base, rs, n_values, jb, sc, n, every, dead, rows, scratch):
-    """``block_rows``' widening of quantized rows (a call: inlined, its loops confused Numba's inliner)."""
-    for x in range(_live_rows(sc, 0, sc.shape[0], n, every, dead, rows)):
+def _widen_block(f, base, rs, n_values, jb, sc, n, every, rows, scratch):
+    """``v_block_rows``' widening of quantized rows (a call: inlined, its loops confused Numba's inliner)."""
+    for x in range(_live_rows(sc, 0, sc.shape[0], n, every, np.float32(0.0), rows)):
         r = rows[x]
         widen_blocks(f, base + (jb + r) * rs, n_values, scratch, r * n_values)
 
 
-@overload(block_rows, inline="always")
-def _block_rows(rows_at, n_values, jb, sc, n, every, dead, rows, scratch):
+@overload(v_block_rows, inline="always")
+def _v_block_rows(rows_at, n_values, jb, sc, n, every, rows, scratch, per_head_mask):
     if not isinstance(rows_at, types.BaseTuple):
-        raise TypingError("block_rows: expected (f, base, rs, cs)")
-    if block_bytes_of(rows_at.types[0].dtype):
-        def widen(rows_at, n_values, jb, sc, n, every, dead, rows, scratch):
+        raise TypingError("v_block_rows: expected (f, base, rs, cs)")
+    if block_bytes_of(rows_at.types[0].dtype) and not isinstance(per_head_mask, types.NoneType):
+        def widen(rows_at, n_values, jb, sc, n, every, rows, scratch, per_head_mask):
             f, base, rs, _ = rows_at
-            _widen_block(f, base, rs, n_values, jb, sc, n, every, dead, rows, scratch)
+            _widen_block(f, base, rs, n_values, jb, sc, n, every, rows, scratch)
             return scratch, -jb * n_values, n_values, 1
         return widen
-    return lambda rows_at, n_values, jb, sc, n, every, dead, rows, scratch: rows_at
+    return lambda rows_at, n_values, jb, sc, n, every, rows, scratch, per_head_mask: rows_at
 
 
 @kernel

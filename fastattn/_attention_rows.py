@@ -20,7 +20,12 @@ from numba import types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
-from ._simd import KERNEL_DTYPES, LANES, V8, as_int64, const, fma, hsum, load1, load8, loop, prefetch_line, splat
+from ._simd import (KERNEL_DTYPES, LANES, QUANT_BLOCK, QUANT_DTYPES, V8, as_int64, block_scale, block_values, const,
+                    fma, hsum, load1, load8, loop, prefetch_line, splat)
+
+#: Bytes per block of the quantized row dtypes: Q8_0 (int8) float16 d + 32 int8, Q4_0 (uint8) d + 16 bytes.
+_BLOCK_BYTES = {types.int8: 34, types.uint8: 18}
+_I8P = ir.IntType(8).as_pointer()
 
 #: KV rows per block: 32 rows of K and of V (8-16 KiB each at D 128) stay in L1 across the group's head blocks.
 ROWS = 32
@@ -32,8 +37,9 @@ def is_c(arr, dtypes, ndim):
 
 
 def _check_rows(name, matrix, rows, offsets, stride):
-    """``matrix``: qs or p (2-D C float32); ``rows``: K or V (1-D C, a kernel dtype); integer offsets and stride."""
-    if not (is_c(matrix, (types.float32,), 2) and is_c(rows, KERNEL_DTYPES, 1)
+    """``matrix``: qs or p (2-D C float32); ``rows``: K or V (1-D C, a kernel dtype or quantized bytes); integer
+    offsets and stride."""
+    if not (is_c(matrix, (types.float32,), 2) and is_c(rows, KERNEL_DTYPES + QUANT_DTYPES, 1)
             and all(isinstance(t, types.Integer) for t in (*offsets, stride))):
         raise TypingError(f"{name}: expected a 2-D C float32 array, a 1-D C array of float32 or float16/bfloat16 "
                           f"bits, integer offsets and stride; got {matrix}, {rows}, {offsets}, {stride}")
@@ -56,6 +62,12 @@ def _dot_codegen(n_heads: int, n_rows: int):
         kcs = as_int64(context, builder, llargs[3 + n_rows], signature.args[3 + n_rows])
         DK = builder.extract_value(qs.shape, 1)
         q_rows = [builder.gep(qs.data, [builder.mul(builder.add(g, const(h)), DK)]) for h in range(n_heads)]
+        if kf_t.dtype in QUANT_DTYPES:
+            sums = _quantized_dots(builder, kf_t.dtype, builder.bitcast(kf.data, _I8P), q_rows, offsets, DK)
+            values = [sums[h * n_rows + r] for r in range(n_rows) for h in range(n_heads)]
+            if len(values) == 1:
+                return values[0]
+            return context.make_tuple(builder, signature.return_type, values)
         n8 = _columns(builder, DK, kcs)
 
         def vector_step(d, acc):
@@ -81,6 +93,64 @@ def _dot_codegen(n_heads: int, n_rows: int):
         return context.make_tuple(builder, signature.return_type, values)
 
     return codegen
+
+
+def _quantized_dots(builder, dtype, base, q_rows, offsets, DK):
+    """The sums q_rows[h] · K row r (rows quantized, Q8_0 or Q4_0 by ``dtype``, the first block of row r at byte
+    offsets[r] of ``base``), h-major. Per block: each row's 32 values widened in registers once for every head,
+    the products summed per (head, row) in a vector, then that vector times the row's scale d added to the
+    accumulator: d · (q · k), the same sum for a (head, row) in every variant. A block whose d is inf or NaN is
+    summed as q · (d k) instead, the reference's order, so that its infinities and NaNs come out as there."""
+    n_heads, n_rows = len(q_rows), len(offsets)
+    width = _BLOCK_BYTES[dtype]
+    zero = ir.Constant(V8, [0.0] * LANES)
+    infinity = ir.Constant(ir.FloatType(), float("inf"))
+
+    def block_step(b, acc):
+        starts = [builder.gep(base, [builder.add(o, builder.mul(b, const(width)))]) for o in offsets]
+        scales = [block_scale(builder, start) for start in starts]
+        q0 = builder.mul(b, const(QUANT_BLOCK))
+
+        def products(scaled):
+            sums = [zero] * (n_heads * n_rows)
+            for part in range(QUANT_BLOCK // LANES):
+                q = [load8(builder, types.float32, row, builder.add(q0, const(LANES * part))) for row in q_rows]
+                k = [block_values(builder, dtype, start, part) for start in starts]
+                if scaled:
+                    k = [builder.fmul(k[r], scales[r][0]) for r in range(n_rows)]
+                sums = [fma(builder, q[h], k[r], sums[h * n_rows + r]) for h in range(n_heads) for r in range(n_rows)]
+            return sums
+
+        part = products(False)
+        fast = [fma(builder, scales[r][0], part[h * n_rows + r], acc[h * n_rows + r])
+                for h in range(n_heads) for r in range(n_rows)]
+        finite = [builder.fcmp_ordered("<", builder.call(builder.module.declare_intrinsic(
+            "llvm.fabs", [ir.FloatType()]), [d]), infinity) for _, d in scales]
+        every = finite[0]
+        for f in finite[1:]:
+            every = builder.and_(every, f)
+        entry = builder.basic_block
+        slow = builder.append_basic_block("quantized.nonfinite_scale")
+        join = builder.append_basic_block("quantized.block_done")
+        builder.cbranch(every, join, slow)
+        builder.position_at_end(slow)
+        exact = products(True)
+        chosen = [builder.select(finite[r], fast[h * n_rows + r], builder.fadd(acc[h * n_rows + r],
+                                                                              exact[h * n_rows + r]))
+                  for h in range(n_heads) for r in range(n_rows)]
+        builder.branch(join)
+        builder.position_at_end(join)
+        merged = []
+        for a, b_ in zip(fast, chosen):
+            phi = builder.phi(V8)
+            phi.add_incoming(a, entry)
+            phi.add_incoming(b_, slow)
+            merged.append(phi)
+        return merged
+
+    n_blocks = builder.sdiv(DK, const(QUANT_BLOCK))
+    acc = loop(builder, const(0), n_blocks, const(1), [zero] * (n_heads * n_rows), block_step)
+    return [hsum(builder, a) for a in acc]
 
 
 @intrinsic
@@ -129,7 +199,6 @@ def _axpy_codegen(n_rows: int, n_heads: int):
         offsets = [as_int64(context, builder, llargs[first_v + 1 + r], args[first_v + 1 + r]) for r in range(n_rows)]
         vcs = as_int64(context, builder, llargs[first_v + 1 + n_rows], args[first_v + 1 + n_rows])
         a_rows = [builder.gep(A.data, [builder.add(a0, builder.mul(const(h), DV))]) for h in range(n_heads)]
-        wide = [[splat(builder, w) for w in row] for row in weights]
 
         def update(a, w, v):
             if n_rows == 1:
@@ -137,6 +206,12 @@ def _axpy_codegen(n_rows: int, n_heads: int):
             pairs = [fma(builder, w[r + 1], v[r + 1], builder.fmul(w[r], v[r])) for r in range(0, n_rows, 2)]
             total = pairs[0] if len(pairs) == 1 else builder.fadd(pairs[0], pairs[1])
             return builder.fadd(a, total)
+
+        if vf_t.dtype in QUANT_DTYPES:
+            _quantized_updates(builder, vf_t.dtype, builder.bitcast(vf.data, _I8P), a_rows, weights, offsets, DV,
+                               update)
+            return context.get_dummy_value()
+        wide = [[splat(builder, w) for w in row] for row in weights]
 
         def vector_step(d, _):
             v = [load8(builder, vf_t.dtype, vf.data, builder.add(o, d)) for o in offsets]
@@ -162,8 +237,34 @@ def _axpy_codegen(n_rows: int, n_heads: int):
     return codegen
 
 
+def _quantized_updates(builder, dtype, base, a_rows, weights, offsets, DV, update):
+    """``_axpy_codegen``'s update on quantized V rows (Q8_0 or Q4_0 by ``dtype``, the first block of row r at byte
+    offsets[r] of ``base``): per block, each head's weight of row r times the row's scale d (w d, one scalar
+    product), then the block's 32 values widened in registers once for every head and added as the float rows
+    are, (w d) · q for w · (d q). Infinities and NaNs come out as there: an inf or NaN d makes w d inf or NaN, and
+    times a q of 0 NaN, as d q then w (d q) would."""
+    n_heads, n_rows = len(a_rows), len(offsets)
+    width = _BLOCK_BYTES[dtype]
+
+    def block_step(b, _):
+        starts = [builder.gep(base, [builder.add(o, builder.mul(b, const(width)))]) for o in offsets]
+        scales = [block_scale(builder, start)[1] for start in starts]
+        wide = [[splat(builder, builder.fmul(weights[h][r], scales[r])) for r in range(n_rows)]
+                for h in range(n_heads)]
+        a_at = builder.mul(b, const(QUANT_BLOCK))
+        for part in range(QUANT_BLOCK // LANES):
+            v = [block_values(builder, dtype, start, part) for start in starts]
+            at = builder.add(a_at, const(LANES * part))
+            for h in range(n_heads):
+                ptr = builder.bitcast(builder.gep(a_rows[h], [at]), V8.as_pointer())
+                builder.store(update(builder.load(ptr, align=4), wide[h], v), ptr, align=4)
+        return []
+
+    loop(builder, const(0), builder.sdiv(DV, const(QUANT_BLOCK)), const(1), [], block_step)
+
+
 def _check_axpy(name, A, a0, DV, p, vf, ints):
-    if not (is_c(A, (types.float32,), 1) and is_c(vf, KERNEL_DTYPES, 1)
+    if not (is_c(A, (types.float32,), 1) and is_c(vf, KERNEL_DTYPES + QUANT_DTYPES, 1)
             and (p == types.float32 or is_c(p, (types.float32,), 2))
             and all(isinstance(t, types.Integer) for t in (a0, DV, *ints))):
         raise TypingError(f"{name}: expected A 1-D C float32, weights float32, V rows 1-D C float32 or "

@@ -26,6 +26,10 @@ _V8_I16 = ir.VectorType(I16, LANES)
 _V8_I32 = ir.VectorType(I32, LANES)
 #: The element types a kernel sees (``_kernel.kernel_view``): float32, float16 bits, bfloat16 bits.
 KERNEL_DTYPES = (types.float32, types.uint16, types.int16)
+#: The bytes of quantized rows (``quant.bytes_view``): Q8_0 as int8, Q4_0 as uint8; 32 values per block.
+QUANT_DTYPES = (types.int8, types.uint8)
+QUANT_BLOCK = 32
+_V8_I8 = ir.VectorType(ir.IntType(8), LANES)
 
 
 def check_array(name: str, arr, dtypes=KERNEL_DTYPES, ndim: int = 1) -> None:
@@ -158,3 +162,28 @@ def loop(builder, start, stop, step, carried, body):
     builder.branch(head)
     builder.position_at_end(done)
     return phis
+
+
+def block_scale(builder, start):
+    """The float16 scale d of the Q8_0/Q4_0 block at ``start`` (an i8 pointer): (<8 x float> of d, d). The first
+    4 half words are converted as a vector and lane 0 taken (one ``vcvtph2ps`` from memory; a scalar half load
+    becomes a ``vpinsrw`` into the previous block's register, chaining the blocks)."""
+    v4_half = ir.VectorType(ir.HalfType(), 4)
+    head = builder.fpext(builder.load(builder.bitcast(start, v4_half.as_pointer()), align=1),
+                         ir.VectorType(ir.FloatType(), 4))
+    return shuffle(builder, head, head, [0] * LANES), builder.extract_element(head, ir.Constant(I32, 0))
+
+
+def block_values(builder, dtype, start, part: int):
+    """Values 8·part .. 8·part+7 (part 0..3) of the block at ``start`` (an i8 pointer) as <8 x float>, before the
+    scale: Q8_0 (``dtype`` int8) its int8 q, Q4_0 (uint8) its nibble - 8 (byte j holds value j in its low nibble
+    and value j + 16 in its high one)."""
+    if dtype == types.int8:
+        ints = builder.sext(builder.load(_vector_ptr(builder, start, const(2 + 8 * part), _V8_I8), align=1), _V8_I32)
+    else:
+        packed = builder.zext(builder.load(_vector_ptr(builder, start, const(2 + 8 * (part % 2)), _V8_I8), align=1),
+                              _V8_I32)
+        nibble = (builder.and_(packed, splat_int(builder, 15)) if part < 2
+                  else builder.lshr(packed, splat_int(builder, 4)))
+        ints = builder.sub(nibble, splat_int(builder, 8))
+    return builder.sitofp(ints, V8)

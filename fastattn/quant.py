@@ -32,7 +32,8 @@ from . import _layout, _threads
 from ._kernel import (_f16_bits_to_f32, _f32_to_f16_bits, any_layout, assume_contiguous, call_any_layout, kernel,
                       kernel_view, to_f32)
 from ._quantized import BLOCK, BLOCK_BYTES, QTYPE_CODES, Quantized, quantized_array, values_array
-from ._simd import KERNEL_DTYPES, LANES, V8, as_int64, const, load1, load8, shuffle, splat
+from ._simd import (KERNEL_DTYPES, LANES, V8, as_int64, block_scale, block_values, const, load1, load8, shuffle,
+                    splat)
 
 Q8_0 = QTYPE_CODES["q8_0"]
 Q4_0 = QTYPE_CODES["q4_0"]
@@ -382,29 +383,10 @@ def _widen_codegen(qtype: str):
         d0 = as_int64(context, builder, llargs[3], signature.args[3])
         i8p = ir.IntType(8).as_pointer()
         start = builder.gep(builder.bitcast(f.data, i8p), [o])
-        # the scale: the block's first 4 half words converted as a vector and lane 0 broadcast (one vcvtph2ps from
-        # memory; a scalar half load becomes a vpinsrw into the previous block's register, chaining the blocks)
-        v4_half = ir.VectorType(ir.HalfType(), 4)
-        head = builder.fpext(builder.load(builder.bitcast(start, v4_half.as_pointer()), align=1),
-                             ir.VectorType(ir.FloatType(), 4))
-        d = shuffle(builder, head, head, [0] * 8)
-        q = builder.gep(start, [const(2)])
+        d, _ = block_scale(builder, start)
         out = builder.gep(dst.data, [d0])
-        v8_i8 = ir.VectorType(ir.IntType(8), 8)
-        v8_i32 = ir.VectorType(ir.IntType(32), 8)
-        if qtype == "q4_0":  # bytes 0..7 and 8..15 widened to int32 lanes: low nibbles are values 0..15, high 16..31
-            packed = [builder.zext(builder.load(builder.bitcast(builder.gep(q, [const(8 * half)]), v8_i8.as_pointer()),
-                                                align=1), v8_i32) for half in range(2)]
         for part in range(4):  # 8 values at a time: 8-wide integer widening and conversion, one store each
-            if qtype == "q8_0":
-                ints = builder.sext(builder.load(builder.bitcast(builder.gep(q, [const(8 * part)]),
-                                                                 v8_i8.as_pointer()), align=1), v8_i32)
-            else:
-                bytes8 = packed[part % 2]
-                nibble = (builder.and_(bytes8, ir.Constant(v8_i32, [15] * 8)) if part < 2
-                          else builder.lshr(bytes8, ir.Constant(v8_i32, [4] * 8)))
-                ints = builder.sub(nibble, ir.Constant(v8_i32, [8] * 8))
-            values = builder.sitofp(ints, V8)
+            values = block_values(builder, signature.args[0].dtype, start, part)
             ptr = builder.bitcast(builder.gep(out, [const(8 * part)]), V8.as_pointer())
             builder.store(builder.fmul(values, d), ptr, align=4)
         return context.get_dummy_value()

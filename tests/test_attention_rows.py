@@ -6,6 +6,8 @@ import numba
 import numpy as np
 import pytest
 
+import fastattn
+from fastattn import reference
 from fastattn._attention_rows import _axpy1, _axpy4, _axpy4x2, _axpy4x4, _dot1, _dot4, _dot4x2
 from fastattn import _validate
 from fastattn._kernel import kernel_view
@@ -84,3 +86,88 @@ def test_row_updates_match_float64_and_single_rows_agree_bit_for_bit(dtype, D, s
     one = start.copy()
     _updates_by_one_head(one, p, flat, offsets, stride)
     assert np.array_equal(one, A[2])
+
+
+def _quantized_rows(rng, n, width, qtype):
+    """A flat byte array holding n quantized rows of ``width`` values (3 guard bytes first, 5 between rows), the
+    rows' byte offsets and their dequantized values in float64."""
+    x = rng.standard_normal((n, width)).astype(np.float32)
+    rows = fastattn.quantize(x, qtype).data
+    pitch = rows.shape[1] + 5
+    flat = np.full(3 + n * pitch, 0xFF, np.uint8)
+    offsets = np.array([3 + r * pitch for r in range(n)], np.int64)
+    for r, o in enumerate(offsets):
+        flat[o:o + rows.shape[1]] = rows[r]
+    values = reference.dequantize(fastattn.Quantized(rows, qtype)).astype(np.float64)
+    return flat.view(np.int8 if qtype == "q8_0" else np.uint8), offsets, values
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("D", [32, 128])
+def test_quantized_dot_products_match_float64_and_agree_bit_for_bit(qtype, D):
+    rng = np.random.default_rng(D)
+    qs = rng.standard_normal((4, D)).astype(np.float32)
+    flat, offsets, k = _quantized_rows(rng, 2, D, qtype)
+    got = _all_dots(qs, flat, offsets[0], offsets[1], 1)
+    want = (qs.astype(np.float64) @ k.T).T
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5 * np.sqrt(D))
+    assert np.array_equal(got[0], got[1]) and np.array_equal(got[0], got[2])
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("D", [32, 128])
+def test_quantized_row_updates_match_float64_and_single_rows_agree_bit_for_bit(qtype, D):
+    rng = np.random.default_rng(D + 1)
+    p = rng.random((4, 32)).astype(np.float32)
+    flat, offsets, v = _quantized_rows(rng, 4, D, qtype)
+    start = rng.standard_normal((4 * D,)).astype(np.float32)
+    A = np.tile(start, (3, 1))
+    _all_updates(A, p, flat, offsets, 1)
+    want = start.astype(np.float64).reshape(4, D) + p[:, :4].astype(np.float64) @ v
+    for row in A:
+        np.testing.assert_allclose(row.reshape(4, D), want, rtol=1e-5, atol=1e-5)
+    one = start.copy()
+    _updates_by_one_head(one, p, flat, offsets, 1)
+    assert np.array_equal(one, A[2])
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+def test_quantized_rows_with_an_infinite_scale_give_the_dequantized_values_infinities_and_nans(qtype):
+    """A block whose float16 scale is inf: each product with its dequantized values (inf · q, NaN where q is 0)
+    comes out as NumPy's float32 evaluation on them (a NaN where they hold one, the same infinities elsewhere),
+    and the other row of a pair keeps its finite value."""
+    rng = np.random.default_rng(7)
+    D = 64
+    # positive queries: a block's partial sums all have one sign, so d · (q · k) would be inf where the
+    # dequantized values' products hold a NaN (inf · 0)
+    qs = (np.abs(rng.standard_normal((4, D))) + 0.1).astype(np.float32)
+    p = rng.random((4, 32)).astype(np.float32)
+    for with_zero in (True, False):
+        flat, offsets, _ = _quantized_rows(rng, 4, D, qtype)
+        raw = flat.view(np.uint8)
+        width = 34 if qtype == "q8_0" else 18
+        block = raw[offsets[1] + width:offsets[1] + 2 * width]  # row 1's second block
+        block[:2] = np.array([np.inf], np.float16).view(np.uint8)
+        if qtype == "q8_0":  # values 5, or 5 and 0 alternating
+            block[2:] = 5
+            block[2::2] = 0 if with_zero else 5
+        else:  # byte 0x9n holds the values n - 8 and 1
+            block[2:] = 0x99
+            block[2::2] = 0x98 if with_zero else 0x99
+        rows = np.stack([raw[o:o + 2 * width] for o in offsets])
+        with np.errstate(invalid="ignore", over="ignore"):
+            values = reference.dequantize(fastattn.Quantized(rows.copy(), qtype)).astype(np.float32)
+            want_dots = (qs @ values.T).T  # (row, head)
+            want_update = p[:, :4] @ values
+        dots = _all_dots(qs, flat, offsets[0], offsets[1], 1)
+        for variant in dots:
+            assert np.array_equal(np.isnan(variant), np.isnan(want_dots[:2]))
+            finite = np.isfinite(want_dots[:2])
+            np.testing.assert_allclose(variant[finite], want_dots[:2][finite], rtol=1e-5, atol=1e-4)
+            assert np.array_equal(variant[np.isinf(want_dots[:2])], want_dots[:2][np.isinf(want_dots[:2])])
+        A = np.zeros((3, 4 * D), np.float32)
+        _all_updates(A, p, flat, offsets, 1)
+        for row in A:
+            got = row.reshape(4, D)
+            assert np.array_equal(np.isnan(got), np.isnan(want_update))
+            assert np.array_equal(got[np.isinf(want_update)], want_update[np.isinf(want_update)])
