@@ -36,7 +36,7 @@ from ._kernel import call_any_layout, kernel_view
 from ._quantized import QTYPE_CODES, Quantized
 from ._rope_cache import CACHE_BLOCK, build_cs
 from ._rope_drivers import CACHED_UNIT, FUSED_UNIT, drive_fused, drive_parallel, drive_serial
-from ._rope_quantized import rope_quantize_parallel, rope_quantize_serial
+from ._rope_quantized import rope_quantize_fused, rope_quantize_parallel, rope_quantize_serial
 from ._rope_rotate import token_layout
 from ._rope_routes import CACHED, CACHED_PREFILL, CACHED_QUANTIZED, FUSED
 from ._validate import STORAGE_FLOATS
@@ -187,20 +187,35 @@ def _write_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, params: _args.
                             layout, next_task, launch.n, unit=FUSED_UNIT)
 
 
-def _write_quantized(dst: Quantized, data3: np.ndarray, x: np.ndarray, idx: np.ndarray, cs: np.ndarray,
-                     params: _args.RopeParams) -> None:
+#: Positions of rope_quantize_fused's arguments typed any layout: x, the cache's bytes, idx, the positions and the
+#: table's arrays (as ``build_cs`` and the float drivers pass them: they share ``cache_block``'s compilation).
+_FUSED_QUANTIZED_ARRAYS = (0, 1, 2, 4, 5, 6, 7, 8)
+
+
+def _write_quantized(dst: Quantized, data3: np.ndarray, x: np.ndarray, idx: np.ndarray, params: _args.RopeParams, *,
+                     streams: np.ndarray | None = None, cs: np.ndarray | None = None) -> None:
     """Rotate x's rows (N, H, D) and quantize them into rows idx of a quantized cache (``_rope_quantized``);
-    ``data3`` its bytes as (R, H, bytes per head row)."""
+    ``data3`` its bytes as (R, H, bytes per head row). The cos/sin: a prebuilt table ``cs``, or made from the
+    positions ``streams`` (streams, N), on threads inside the parallel pass."""
     n_tokens = x.shape[0]
     nbytes = x.nbytes + x.size
     n_threads = _threads.threads_for(nbytes) if n_tokens > 1 else 1
     code = QTYPE_CODES[dst.qtype]
+    xk = kernel_view(x)
+    layout = token_layout(xk, np.empty((1, x.shape[1], x.shape[2]), np.float32))  # into a C scratch
+    if cs is None and n_threads > 1:
+        table = params.table
+        with _threads.team("rope_set_rows_quantized", nbytes, n_threads) as launch:
+            call_any_layout(rope_quantize_fused, _FUSED_QUANTIZED_ARRAYS, xk, data3, idx, _last_of_duplicates(idx),
+                            streams, table.streams, table.w, table.step_cos, table.step_sin, table.cos_scale,
+                            table.sin_scale, params.pairing[1], layout, code, np.zeros(1, np.int64), launch.n)
+        return
+    if cs is None:
+        cs = build_cs(streams, params)
     if (n_threads == 1 and idx.ndim == 1 and nbytes < _threads.PARALLEL_MIN_BYTES
             and CACHED_QUANTIZED.run((x.dtype, dst.ndim, idx.dtype), x, dst.data, idx, cs, params.pairing, code,
                                      _threads.PARALLEL_MIN_BYTES)):
         return
-    xk = kernel_view(x)
-    layout = token_layout(xk, np.empty((1, x.shape[1], x.shape[2]), np.float32))  # into a C scratch
     args = (cs, params.pairing[0], params.pairing[1], layout, code)
     if n_threads == 1:
         call_any_layout(rope_quantize_serial, (0, 1, 2), xk, data3, idx, np.ones(n_tokens, np.bool_), *args)
@@ -369,7 +384,7 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
     if x.shape[0] == 0:
         return dst
     if dst.__class__ is Quantized:
-        _write_quantized(dst, dst3, x, idx, build_cs(streams, params), params)
+        _write_quantized(dst, dst3, x, idx, params, streams=streams)
         return dst
     if _fused_fits(x, pos, params):
         with _team("rope_set_rows", x.size * (x.itemsize + dst.itemsize)) as launch:
@@ -413,7 +428,7 @@ def apply_rope_cache_set_rows(dst: np.ndarray, x: np.ndarray, cache: RopeCache, 
         raise ValueError(f"x must have one token per cached position: {cache.n_tokens}, got {x.shape[0]}")
     if dst.__class__ is Quantized:
         if x.shape[0]:
-            _write_quantized(dst, dst3, x, idx, cache.cs, cache.params)
+            _write_quantized(dst, dst3, x, idx, cache.params, cs=cache.cs)
         return dst
     small = x.size * (x.itemsize + dst.itemsize) < _threads.PARALLEL_MIN_BYTES
     if x.shape[0] and not (small and CACHED.run((x.dtype, dst.dtype, dst.ndim, idx.dtype), x, dst, idx, cache.cs,

@@ -211,7 +211,7 @@ def test_bad_input_raises_and_writes_nothing(ops):
 # rope_set_rows into a quantized cache: the bytes of rope_ext followed by set_rows.
 @given(qtype=st.sampled_from(QTYPES), x_dtype=st.sampled_from((np.float32, np.float16)),
        mode=st.sampled_from((fastattn.ROPE_NORMAL, fastattn.ROPE_NEOX)), d=st.sampled_from((32, 64, 128)),
-       partial=st.booleans(), flat=st.booleans(), prebuilt=st.booleans(), n=st.integers(0, 40),
+       partial=st.booleans(), flat=st.booleans(), prebuilt=st.booleans(), n=st.integers(0, 150),
        rows=st.integers(1, 50), threads=st.sampled_from((1, 2)), seed=seeds)
 def test_rope_set_rows_into_quantized_is_rope_then_set_rows(qtype, x_dtype, mode, d, partial, flat, prebuilt, n,
                                                             rows, threads, seed):
