@@ -21,7 +21,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from ._simd import (KERNEL_DTYPES, LANES, QUANT_BLOCK, QUANT_DTYPES, V8, as_int64, block_scale, block_values, const,
-                    fma, hsum, load1, load8, loop, prefetch_line, splat)
+                    fma, hsum, hsum_any, load1, load8, load_floats, loop, prefetch_line, splat, wide_lanes)
 
 #: Bytes per block of the quantized row dtypes: Q8_0 (int8) float16 d + 32 int8, Q4_0 (uint8) d + 16 bytes.
 _BLOCK_BYTES = {types.int8: 34, types.uint8: 18}
@@ -100,22 +100,25 @@ def _quantized_dots(builder, dtype, base, q_rows, offsets, DK):
     offsets[r] of ``base``), h-major. Per block: each row's 32 values widened in registers once for every head,
     the products summed per (head, row) in a vector, then that vector times the row's scale d added to the
     accumulator: d · (q · k), the same sum for a (head, row) in every variant. A block whose d is inf or NaN is
-    summed as q · (d k) instead, the reference's order, so that its infinities and NaNs come out as there."""
+    summed as q · (d k) instead, the reference's order, so that its infinities and NaNs come out as there.
+    Vectors of ``wide_lanes()`` floats: the block's arithmetic, not its bytes, bounds a quantized decode."""
     n_heads, n_rows = len(q_rows), len(offsets)
     width = _BLOCK_BYTES[dtype]
-    zero = ir.Constant(V8, [0.0] * LANES)
+    lanes = wide_lanes()
+    vector = ir.VectorType(ir.FloatType(), lanes)
+    zero = ir.Constant(vector, [0.0] * lanes)
     infinity = ir.Constant(ir.FloatType(), float("inf"))
 
     def block_step(b, acc):
         starts = [builder.gep(base, [builder.add(o, builder.mul(b, const(width)))]) for o in offsets]
-        scales = [block_scale(builder, start) for start in starts]
+        scales = [block_scale(builder, start, lanes) for start in starts]
         q0 = builder.mul(b, const(QUANT_BLOCK))
 
         def products(scaled):
             sums = [zero] * (n_heads * n_rows)
-            for part in range(QUANT_BLOCK // LANES):
-                q = [load8(builder, types.float32, row, builder.add(q0, const(LANES * part))) for row in q_rows]
-                k = [block_values(builder, dtype, start, part) for start in starts]
+            for part in range(QUANT_BLOCK // lanes):
+                q = [load_floats(builder, row, builder.add(q0, const(lanes * part)), lanes) for row in q_rows]
+                k = [block_values(builder, dtype, start, part, lanes) for start in starts]
                 if scaled:
                     k = [builder.fmul(k[r], scales[r][0]) for r in range(n_rows)]
                 sums = [fma(builder, q[h], k[r], sums[h * n_rows + r]) for h in range(n_heads) for r in range(n_rows)]
@@ -142,7 +145,7 @@ def _quantized_dots(builder, dtype, base, q_rows, offsets, DK):
         builder.position_at_end(join)
         merged = []
         for a, b_ in zip(fast, chosen):
-            phi = builder.phi(V8)
+            phi = builder.phi(vector)
             phi.add_incoming(a, entry)
             phi.add_incoming(b_, slow)
             merged.append(phi)
@@ -150,7 +153,7 @@ def _quantized_dots(builder, dtype, base, q_rows, offsets, DK):
 
     n_blocks = builder.sdiv(DK, const(QUANT_BLOCK))
     acc = loop(builder, const(0), n_blocks, const(1), [zero] * (n_heads * n_rows), block_step)
-    return [hsum(builder, a) for a in acc]
+    return [hsum_any(builder, a) for a in acc]
 
 
 @intrinsic
@@ -241,22 +244,24 @@ def _quantized_updates(builder, dtype, base, a_rows, weights, offsets, DV, updat
     """``_axpy_codegen``'s update on quantized V rows (Q8_0 or Q4_0 by ``dtype``, the first block of row r at byte
     offsets[r] of ``base``): per block, each head's weight of row r times the row's scale d (w d, one scalar
     product), then the block's 32 values widened in registers once for every head and added as the float rows
-    are, (w d) · q for w · (d q). Infinities and NaNs come out as there: an inf or NaN d makes w d inf or NaN, and
-    times a q of 0 NaN, as d q then w (d q) would."""
+    are, (w d) · q for w · (d q), in vectors of ``wide_lanes()`` floats. Infinities and NaNs come out as there: an
+    inf or NaN d makes w d inf or NaN, and times a q of 0 NaN, as d q then w (d q) would."""
     n_heads, n_rows = len(a_rows), len(offsets)
     width = _BLOCK_BYTES[dtype]
+    lanes = wide_lanes()
+    vector = ir.VectorType(ir.FloatType(), lanes)
 
     def block_step(b, _):
         starts = [builder.gep(base, [builder.add(o, builder.mul(b, const(width)))]) for o in offsets]
         scales = [block_scale(builder, start)[1] for start in starts]
-        wide = [[splat(builder, builder.fmul(weights[h][r], scales[r])) for r in range(n_rows)]
+        wide = [[splat(builder, builder.fmul(weights[h][r], scales[r]), lanes) for r in range(n_rows)]
                 for h in range(n_heads)]
         a_at = builder.mul(b, const(QUANT_BLOCK))
-        for part in range(QUANT_BLOCK // LANES):
-            v = [block_values(builder, dtype, start, part) for start in starts]
-            at = builder.add(a_at, const(LANES * part))
+        for part in range(QUANT_BLOCK // lanes):
+            v = [block_values(builder, dtype, start, part, lanes) for start in starts]
+            at = builder.add(a_at, const(lanes * part))
             for h in range(n_heads):
-                ptr = builder.bitcast(builder.gep(a_rows[h], [at]), V8.as_pointer())
+                ptr = builder.bitcast(builder.gep(a_rows[h], [at]), vector.as_pointer())
                 builder.store(update(builder.load(ptr, align=4), wide[h], v), ptr, align=4)
         return []
 

@@ -91,8 +91,8 @@ def hsum(builder, v):
 
 
 def fma(builder, a, b, c):
-    """a * b + c, rounded once (``llvm.fma`` on float or <8 x float>)."""
-    name = "llvm.fma.v8f32" if isinstance(a.type, ir.VectorType) else "llvm.fma.f32"
+    """a * b + c, rounded once (``llvm.fma`` on float or a float vector)."""
+    name = f"llvm.fma.v{a.type.count}f32" if isinstance(a.type, ir.VectorType) else "llvm.fma.f32"
     fn = builder.module.declare_intrinsic(name, (), ir.FunctionType(a.type, [a.type] * 3))
     return builder.call(fn, [a, b, c])
 
@@ -132,10 +132,11 @@ def shuffle(builder, a, b, lanes):
     return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(I32, len(lanes)), lanes))
 
 
-def splat(builder, x):
-    """<8 x float> with every lane ``x``."""
-    one = builder.insert_element(ir.Constant(V8, ir.Undefined), x, ir.Constant(I32, 0))
-    return shuffle(builder, one, ir.Constant(V8, ir.Undefined), [0] * LANES)
+def splat(builder, x, lanes: int = LANES):
+    """A float vector of ``lanes`` (8 by default) lanes, each ``x``."""
+    vector = ir.VectorType(ir.FloatType(), lanes)
+    one = builder.insert_element(ir.Constant(vector, ir.Undefined), x, ir.Constant(I32, 0))
+    return shuffle(builder, one, ir.Constant(vector, ir.Undefined), [0] * lanes)
 
 
 def loop(builder, start, stop, step, carried, body):
@@ -164,26 +165,48 @@ def loop(builder, start, stop, step, carried, body):
     return phis
 
 
-def block_scale(builder, start):
-    """The float16 scale d of the Q8_0/Q4_0 block at ``start`` (an i8 pointer): (<8 x float> of d, d). The first
-    4 half words are converted as a vector and lane 0 taken (one ``vcvtph2ps`` from memory; a scalar half load
-    becomes a ``vpinsrw`` into the previous block's register, chaining the blocks)."""
+def block_scale(builder, start, lanes: int = LANES):
+    """The float16 scale d of the Q8_0/Q4_0 block at ``start`` (an i8 pointer): (a vector of ``lanes`` d, d). The
+    first 4 half words are converted as a vector and lane 0 taken (one ``vcvtph2ps`` from memory; a scalar half
+    load becomes a ``vpinsrw`` into the previous block's register, chaining the blocks)."""
     v4_half = ir.VectorType(ir.HalfType(), 4)
     head = builder.fpext(builder.load(builder.bitcast(start, v4_half.as_pointer()), align=1),
                          ir.VectorType(ir.FloatType(), 4))
-    return shuffle(builder, head, head, [0] * LANES), builder.extract_element(head, ir.Constant(I32, 0))
+    return shuffle(builder, head, head, [0] * lanes), builder.extract_element(head, ir.Constant(I32, 0))
 
 
-def block_values(builder, dtype, start, part: int):
-    """Values 8·part .. 8·part+7 (part 0..3) of the block at ``start`` (an i8 pointer) as <8 x float>, before the
-    scale: Q8_0 (``dtype`` int8) its int8 q, Q4_0 (uint8) its nibble - 8 (byte j holds value j in its low nibble
-    and value j + 16 in its high one)."""
+def block_values(builder, dtype, start, part: int, lanes: int = LANES):
+    """Values lanes·part .. lanes·part + lanes - 1 (``lanes`` 8 or 16) of the block at ``start`` (an i8 pointer)
+    as a float vector, before the scale: Q8_0 (``dtype`` int8) its int8 q, Q4_0 (uint8) its nibble - 8 (byte j
+    holds value j in its low nibble and value j + 16 in its high one)."""
+    i8s = ir.VectorType(ir.IntType(8), lanes)
+    i32s = ir.VectorType(I32, lanes)
+    first = lanes * part
     if dtype == types.int8:
-        ints = builder.sext(builder.load(_vector_ptr(builder, start, const(2 + 8 * part), _V8_I8), align=1), _V8_I32)
+        ints = builder.sext(builder.load(_vector_ptr(builder, start, const(2 + first), i8s), align=1), i32s)
     else:
-        packed = builder.zext(builder.load(_vector_ptr(builder, start, const(2 + 8 * (part % 2)), _V8_I8), align=1),
-                              _V8_I32)
-        nibble = (builder.and_(packed, splat_int(builder, 15)) if part < 2
-                  else builder.lshr(packed, splat_int(builder, 4)))
-        ints = builder.sub(nibble, splat_int(builder, 8))
-    return builder.sitofp(ints, V8)
+        packed = builder.zext(builder.load(_vector_ptr(builder, start, const(2 + first % 16), i8s), align=1), i32s)
+        nibble = (builder.and_(packed, ir.Constant(i32s, [15] * lanes)) if first < 16
+                  else builder.lshr(packed, ir.Constant(i32s, [4] * lanes)))
+        ints = builder.sub(nibble, ir.Constant(i32s, [8] * lanes))
+    return builder.sitofp(ints, ir.VectorType(ir.FloatType(), lanes))
+
+
+def load_floats(builder, data, offset, lanes: int):
+    """Float elements offset .. offset + lanes - 1 of ``data`` (a float pointer) as a vector."""
+    return builder.load(_vector_ptr(builder, data, offset, ir.VectorType(ir.FloatType(), lanes)), align=4)
+
+
+def hsum_any(builder, v):
+    """The sum of the lanes of ``v`` (8 or 16): 16 lanes halved to 8 first, then ``hsum``."""
+    if v.type.count == 16:
+        undef = ir.Constant(v.type, ir.Undefined)
+        v = builder.fadd(shuffle(builder, v, undef, list(range(8))), shuffle(builder, v, undef, list(range(8, 16))))
+    return hsum(builder, v)
+
+
+def wide_lanes() -> int:
+    """Float lanes per vector for code whose accumulators fit in 32 registers: 16 where Numba's target has
+    AVX-512 (32 zmm registers), else 8 (a <16 x float> on AVX2 would take two of its 16 ymm registers)."""
+    from numba.core.registry import cpu_target
+    return 16 if "+avx512f" in cpu_target.target_context.codegen()._tm_features else LANES

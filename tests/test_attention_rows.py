@@ -8,6 +8,7 @@ import pytest
 
 import fastattn
 from fastattn import reference
+from fastattn import _attention_rows
 from fastattn._attention_rows import _axpy1, _axpy4, _axpy4x2, _axpy4x4, _dot1, _dot4, _dot4x2
 from fastattn import _validate
 from fastattn._kernel import kernel_view
@@ -88,6 +89,14 @@ def test_row_updates_match_float64_and_single_rows_agree_bit_for_bit(dtype, D, s
     assert np.array_equal(one, A[2])
 
 
+@pytest.fixture(params=[8, 16], ids=["8 lanes", "16 lanes"])
+def quantized_kernels(request, monkeypatch):
+    """The test kernels compiled afresh with the quantized row code's vectors of 8 or 16 floats (``wide_lanes``
+    picks by the machine: both are checked on every machine)."""
+    monkeypatch.setattr(_attention_rows, "wide_lanes", lambda: request.param)
+    return tuple(numba.njit(cache=False)(f.py_func) for f in (_all_dots, _all_updates, _updates_by_one_head))
+
+
 def _quantized_rows(rng, n, width, qtype):
     """A flat byte array holding n quantized rows of ``width`` values (3 guard bytes first, 5 between rows), the
     rows' byte offsets and their dequantized values in float64."""
@@ -104,7 +113,8 @@ def _quantized_rows(rng, n, width, qtype):
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("D", [32, 128])
-def test_quantized_dot_products_match_float64_and_agree_bit_for_bit(qtype, D):
+def test_quantized_dot_products_match_float64_and_agree_bit_for_bit(qtype, D, quantized_kernels):
+    _all_dots, _, _ = quantized_kernels
     rng = np.random.default_rng(D)
     qs = rng.standard_normal((4, D)).astype(np.float32)
     flat, offsets, k = _quantized_rows(rng, 2, D, qtype)
@@ -116,7 +126,8 @@ def test_quantized_dot_products_match_float64_and_agree_bit_for_bit(qtype, D):
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("D", [32, 128])
-def test_quantized_row_updates_match_float64_and_single_rows_agree_bit_for_bit(qtype, D):
+def test_quantized_row_updates_match_float64_and_single_rows_agree_bit_for_bit(qtype, D, quantized_kernels):
+    _, _all_updates, _updates_by_one_head = quantized_kernels
     rng = np.random.default_rng(D + 1)
     p = rng.random((4, 32)).astype(np.float32)
     flat, offsets, v = _quantized_rows(rng, 4, D, qtype)
@@ -132,10 +143,12 @@ def test_quantized_row_updates_match_float64_and_single_rows_agree_bit_for_bit(q
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
-def test_quantized_rows_with_an_infinite_scale_give_the_dequantized_values_infinities_and_nans(qtype):
+def test_quantized_rows_with_an_infinite_scale_give_the_dequantized_values_infinities_and_nans(qtype,
+                                                                                              quantized_kernels):
     """A block whose float16 scale is inf: each product with its dequantized values (inf · q, NaN where q is 0)
     comes out as NumPy's float32 evaluation on them (a NaN where they hold one, the same infinities elsewhere),
     and the other row of a pair keeps its finite value."""
+    _all_dots, _all_updates, _ = quantized_kernels
     rng = np.random.default_rng(7)
     D = 64
     # positive queries: a block's partial sums all have one sign, so d · (q · k) would be inf where the
