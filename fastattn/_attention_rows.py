@@ -12,6 +12,11 @@ vectorised again at each call site (about 4 s of each ``group_rows`` specialisat
 intrinsic hands LLVM straight vector code. A (head, row) score is the same sum in every variant (the lanes reduced pairwise, then the scalar
 columns), so a row scores alike in ``_dot4x2``, ``_dot4`` and ``_dot1``. Rows are addressed by flat offsets into
 1-D C arrays (``_attention_layout``).
+
+Quantized rows (Q8_0 as int8 bytes, Q4_0 as uint8, offsets in bytes) take a block loop instead
+(``_quantized_dots``, ``_quantized_updates``): each block of 32 values is widened in registers once for the heads
+of the call, its float16 scale applied to the block's sum (K) or to the weight (V), in vectors of 16 floats where
+Numba's target has AVX-512 (``_simd.wide_lanes``).
 """
 from __future__ import annotations
 
