@@ -209,4 +209,9 @@ def wide_lanes() -> int:
     """Float lanes per vector for code whose accumulators fit in 32 registers: 16 where Numba's target has
     AVX-512 (32 zmm registers), else 8 (a <16 x float> on AVX2 would take two of its 16 ymm registers)."""
     from numba.core.registry import cpu_target
-    return 16 if "+avx512f" in cpu_target.target_context.codegen()._tm_features else LANES
+    features = getattr(cpu_target.target_context.codegen(), "_tm_features", None)
+    if features is None:  # the features Numba compiles for: NUMBA_CPU_FEATURES, else the host's
+        from llvmlite import binding
+        from numba.core import config
+        features = config.CPU_FEATURES or binding.get_host_cpu_features().flatten()
+    return 16 if "+avx512f" in features else LANES
