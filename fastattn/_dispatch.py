@@ -38,6 +38,7 @@ from typing import Callable, Iterator
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
@@ -154,20 +155,32 @@ def forget_routes() -> None:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Kernel side: the checks np.may_share_memory and _validate make, for the kernels' own use. They take an array's
-# ``meta``, whose type depends on its number of axes only, so each is compiled once for all dtypes and layouts
-# (a kernel helper taking arrays costs a compilation, ~0.2 s, per array type: a second per entry point).
+# ``meta``, whose type is the same for every array of up to META_AXES axes, so each is compiled once for all
+# dtypes, layouts and numbers of axes (a kernel helper costs a compilation, ~0.2 s, per argument type).
+#: Axes of a ``meta``: an array of fewer is described with leading axes of length 1 and stride 0, which change
+#: none of the checks (no bytes spanned, every alignment kept, C order kept).
+META_AXES = 4
+
+
 @intrinsic
 def meta(typingctx, a):
-    """``(data pointer, shape, strides, itemsize)`` of array ``a``, as integers and tuples of them."""
+    """``(data pointer, shape, strides, itemsize)`` of array ``a``, as integers and tuples of them, shape and
+    strides padded in front to META_AXES axes."""
     if not isinstance(a, types.Array):
         raise TypingError("meta: expected an array")
-    axes = types.UniTuple(types.intp, a.ndim)
+    n_axes = max(META_AXES, a.ndim)
+    axes = types.UniTuple(types.intp, n_axes)
     result = types.Tuple((types.intp, axes, axes, types.intp))
 
     def codegen(context, builder, signature, args):
         ary = context.make_array(a)(context, builder, args[0])
-        data = builder.ptrtoint(ary.data, context.get_value_type(types.intp))
-        return context.make_tuple(builder, result, (data, ary.shape, ary.strides, ary.itemsize))
+        intp = context.get_value_type(types.intp)
+        data = builder.ptrtoint(ary.data, intp)
+        pad = n_axes - a.ndim
+        shape = [ir.Constant(intp, 1)] * pad + [builder.extract_value(ary.shape, k) for k in range(a.ndim)]
+        strides = [ir.Constant(intp, 0)] * pad + [builder.extract_value(ary.strides, k) for k in range(a.ndim)]
+        return context.make_tuple(builder, result, (data, context.make_tuple(builder, axes, shape),
+                                                    context.make_tuple(builder, axes, strides), ary.itemsize))
 
     return result(a), codegen
 

@@ -258,10 +258,11 @@ def rope_block(src, dst, cache_row, n_pairs, interleaved, in_place, layout, ahea
 
 @numba.njit(**_INLINE)
 def token_layout_of(mx, mo, head_dim):
-    """``token_layout`` of two (N, H, D) arrays from their ``meta``."""
+    """``token_layout`` of two (N, H, D) arrays from their ``meta`` (its last axes are the arrays')."""
     (_, _, strides_x, item_x), (_, _, strides_o, item_o) = mx, mo
-    if strides_x[2] != item_x or strides_o[2] != item_o:
+    last = len(strides_x) - 1
+    if strides_x[last] != item_x or strides_o[last] != item_o:
         return ROWS_STRIDED
-    if strides_x[1] == head_dim * item_x and strides_o[1] == head_dim * item_o:
+    if strides_x[last - 1] == head_dim * item_x and strides_o[last - 1] == head_dim * item_o:
         return TOKEN_BLOCK
     return ROWS_UNIT
