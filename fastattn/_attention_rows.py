@@ -25,11 +25,11 @@ from numba import types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
-from ._simd import (KERNEL_DTYPES, LANES, QUANT_BLOCK, QUANT_DTYPES, V8, as_int64, block_scale, block_values, const,
-                    fma, hsum, hsum_any, load1, load8, load_floats, loop, prefetch_line, splat, wide_lanes)
+from ._quantized import BLOCK as QUANT_BLOCK
+from ._simd import (KERNEL_DTYPES, LANES, QUANT_DTYPES, V8, as_int64, block_scale, block_values, const, fma, hsum,
+                    hsum_any, load1, load8, load_floats, loop, prefetch_line, splat, wide_lanes)
+from .quant import block_bytes_of
 
-#: Bytes per block of the quantized row dtypes: Q8_0 (int8) float16 d + 32 int8, Q4_0 (uint8) d + 16 bytes.
-_BLOCK_BYTES = {types.int8: 34, types.uint8: 18}
 _I8P = ir.IntType(8).as_pointer()
 
 #: KV rows per block: 32 rows of K and of V (8-16 KiB each at D 128) stay in L1 across the group's head blocks.
@@ -46,8 +46,9 @@ def _check_rows(name, matrix, rows, offsets, stride):
     offsets and stride."""
     if not (is_c(matrix, (types.float32,), 2) and is_c(rows, KERNEL_DTYPES + QUANT_DTYPES, 1)
             and all(isinstance(t, types.Integer) for t in (*offsets, stride))):
-        raise TypingError(f"{name}: expected a 2-D C float32 array, a 1-D C array of float32 or float16/bfloat16 "
-                          f"bits, integer offsets and stride; got {matrix}, {rows}, {offsets}, {stride}")
+        raise TypingError(f"{name}: expected a 2-D C float32 array, a 1-D C array of float32, float16/bfloat16 "
+                          f"bits or Q8_0/Q4_0 bytes, integer offsets and stride; got {matrix}, {rows}, {offsets}, "
+                          f"{stride}")
 
 
 def _columns(builder, n, stride):
@@ -108,7 +109,7 @@ def _quantized_dots(builder, dtype, base, q_rows, offsets, DK):
     summed as q · (d k) instead, the reference's order, so that its infinities and NaNs come out as there.
     Vectors of ``wide_lanes()`` floats: the block's arithmetic, not its bytes, bounds a quantized decode."""
     n_heads, n_rows = len(q_rows), len(offsets)
-    width = _BLOCK_BYTES[dtype]
+    width = block_bytes_of(dtype)
     lanes = wide_lanes()
     vector = ir.VectorType(ir.FloatType(), lanes)
     zero = ir.Constant(vector, [0.0] * lanes)
@@ -252,7 +253,7 @@ def _quantized_updates(builder, dtype, base, a_rows, weights, offsets, DV, updat
     are, (w d) · q for w · (d q), in vectors of ``wide_lanes()`` floats. Infinities and NaNs come out as there: an
     inf or NaN d makes w d inf or NaN, and times a q of 0 NaN, as d q then w (d q) would."""
     n_heads, n_rows = len(a_rows), len(offsets)
-    width = _BLOCK_BYTES[dtype]
+    width = block_bytes_of(dtype)
     lanes = wide_lanes()
     vector = ir.VectorType(ir.FloatType(), lanes)
 
@@ -277,8 +278,8 @@ def _check_axpy(name, A, a0, DV, p, vf, ints):
     if not (is_c(A, (types.float32,), 1) and is_c(vf, KERNEL_DTYPES + QUANT_DTYPES, 1)
             and (p == types.float32 or is_c(p, (types.float32,), 2))
             and all(isinstance(t, types.Integer) for t in (a0, DV, *ints))):
-        raise TypingError(f"{name}: expected A 1-D C float32, weights float32, V rows 1-D C float32 or "
-                          f"float16/bfloat16 bits and integer offsets; got {A}, {p}, {vf}")
+        raise TypingError(f"{name}: expected A 1-D C float32, weights float32, V rows 1-D C float32, "
+                          f"float16/bfloat16 bits or Q8_0/Q4_0 bytes and integer offsets; got {A}, {p}, {vf}")
 
 
 @intrinsic

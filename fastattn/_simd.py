@@ -26,10 +26,8 @@ _V8_I16 = ir.VectorType(I16, LANES)
 _V8_I32 = ir.VectorType(I32, LANES)
 #: The element types a kernel sees (``_kernel.kernel_view``): float32, float16 bits, bfloat16 bits.
 KERNEL_DTYPES = (types.float32, types.uint16, types.int16)
-#: The bytes of quantized rows (``quant.bytes_view``): Q8_0 as int8, Q4_0 as uint8; 32 values per block.
+#: The bytes of quantized rows (``quant.bytes_view``): Q8_0 as int8, Q4_0 as uint8 (blocks of ``_quantized.BLOCK``).
 QUANT_DTYPES = (types.int8, types.uint8)
-QUANT_BLOCK = 32
-_V8_I8 = ir.VectorType(ir.IntType(8), LANES)
 
 
 def check_array(name: str, arr, dtypes=KERNEL_DTYPES, ndim: int = 1) -> None:

@@ -373,24 +373,23 @@ def block_bytes_of(dtype) -> int:
     return 0
 
 
-def _widen_codegen(qtype: str):
-    """LLVM IR widening one block: the float16 scale, then 32 values as 4 vectors of 8, multiplied by it and
-    stored (LLVM does not vectorise the scalar loop across the int8 and float32 arrays it cannot prove apart)."""
-    def codegen(context, builder, signature, llargs):
-        f = context.make_array(signature.args[0])(context, builder, llargs[0])
-        dst = context.make_array(signature.args[2])(context, builder, llargs[2])
-        o = as_int64(context, builder, llargs[1], signature.args[1])
-        d0 = as_int64(context, builder, llargs[3], signature.args[3])
-        i8p = ir.IntType(8).as_pointer()
-        start = builder.gep(builder.bitcast(f.data, i8p), [o])
-        d, _ = block_scale(builder, start)
-        out = builder.gep(dst.data, [d0])
-        for part in range(4):  # 8 values at a time: 8-wide integer widening and conversion, one store each
-            values = block_values(builder, signature.args[0].dtype, start, part)
-            ptr = builder.bitcast(builder.gep(out, [const(8 * part)]), V8.as_pointer())
-            builder.store(builder.fmul(values, d), ptr, align=4)
-        return context.get_dummy_value()
-    return codegen
+def _widen_codegen(context, builder, signature, llargs):
+    """LLVM IR widening one block (Q8_0 or Q4_0 by the bytes' dtype): the float16 scale, then 32 values as 4
+    vectors of 8, multiplied by it and stored (LLVM does not vectorise the scalar loop across the int8 and float32
+    arrays it cannot prove apart)."""
+    f = context.make_array(signature.args[0])(context, builder, llargs[0])
+    dst = context.make_array(signature.args[2])(context, builder, llargs[2])
+    o = as_int64(context, builder, llargs[1], signature.args[1])
+    d0 = as_int64(context, builder, llargs[3], signature.args[3])
+    i8p = ir.IntType(8).as_pointer()
+    start = builder.gep(builder.bitcast(f.data, i8p), [o])
+    d, _ = block_scale(builder, start)
+    out = builder.gep(dst.data, [d0])
+    for part in range(4):  # 8 values at a time: 8-wide integer widening and conversion, one store each
+        values = block_values(builder, signature.args[0].dtype, start, part)
+        ptr = builder.bitcast(builder.gep(out, [const(8 * part)]), V8.as_pointer())
+        builder.store(builder.fmul(values, d), ptr, align=4)
+    return context.get_dummy_value()
 
 
 def _check_widen(f, o, dst, d0, dtype):
@@ -404,14 +403,14 @@ def _check_widen(f, o, dst, d0, dtype):
 def _widen_q8_0_block(typingctx, f, o, dst, d0):
     """dst[d0 .. d0+32] = the Q8_0 block at byte o of f (int8 bytes, 1-D C), in float32."""
     _check_widen(f, o, dst, d0, types.int8)
-    return types.none(f, o, dst, d0), _widen_codegen("q8_0")
+    return types.none(f, o, dst, d0), _widen_codegen
 
 
 @intrinsic
 def _widen_q4_0_block(typingctx, f, o, dst, d0):
     """dst[d0 .. d0+32] = the Q4_0 block at byte o of f (uint8 bytes, 1-D C), in float32."""
     _check_widen(f, o, dst, d0, types.uint8)
-    return types.none(f, o, dst, d0), _widen_codegen("q4_0")
+    return types.none(f, o, dst, d0), _widen_codegen
 
 
 @kernel(inline=True)

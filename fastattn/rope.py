@@ -201,20 +201,20 @@ def _write_quantized(dst: Quantized, data3: np.ndarray, x: np.ndarray, idx: np.n
     nbytes = x.nbytes + x.size
     n_threads = _threads.threads_for(nbytes) if n_tokens > 1 else 1
     code = QTYPE_CODES[dst.qtype]
+    if cs is None and n_threads == 1:  # on threads the tasks make their own rows (rope_quantize_fused)
+        cs = build_cs(streams, params)
+    if (n_threads == 1 and idx.ndim == 1 and nbytes < _threads.PARALLEL_MIN_BYTES
+            and CACHED_QUANTIZED.run((x.dtype, dst.ndim, idx.dtype), x, dst.data, idx, cs, params.pairing, code,
+                                     _threads.PARALLEL_MIN_BYTES)):
+        return
     xk = kernel_view(x)
     layout = token_layout(xk, np.empty((1, x.shape[1], x.shape[2]), np.float32))  # into a C scratch
-    if cs is None and n_threads > 1:
+    if cs is None:
         table = params.table
         with _threads.team("rope_set_rows_quantized", nbytes, n_threads) as launch:
             call_any_layout(rope_quantize_fused, _FUSED_QUANTIZED_ARRAYS, xk, data3, idx, _last_of_duplicates(idx),
                             streams, table.streams, table.w, table.step_cos, table.step_sin, table.cos_scale,
                             table.sin_scale, params.pairing[1], layout, code, np.zeros(1, np.int64), launch.n)
-        return
-    if cs is None:
-        cs = build_cs(streams, params)
-    if (n_threads == 1 and idx.ndim == 1 and nbytes < _threads.PARALLEL_MIN_BYTES
-            and CACHED_QUANTIZED.run((x.dtype, dst.ndim, idx.dtype), x, dst.data, idx, cs, params.pairing, code,
-                                     _threads.PARALLEL_MIN_BYTES)):
         return
     args = (cs, params.pairing[0], params.pairing[1], layout, code)
     if n_threads == 1:
