@@ -130,6 +130,44 @@ def test_unpadded_prefill_and_decode_take_no_mask_and_match_eager():
         assert _relative(step_fast, step_eager) <= RELATIVE
 
 
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_static_cache_decode_reads_the_live_rows_without_a_mask(name):
+    """A static cache's decode mask hides the unfilled rows (and, for Mistral, the rows before the window): the
+    backend hands flash_attn_ext the live rows alone, with no mask, and generation matches eager."""
+    model = _model(name)
+    ids = torch.randint(1, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(5))
+    settings = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                    cache_implementation="static")
+    eager = model.generate(ids, **settings)
+    model.set_attn_implementation("fastattn")
+    calls = []
+    original = fastattn.flash_attn_ext
+
+    def spy(q, k, v, mask=None, **kwargs):
+        calls.append((q.shape[2], k.shape[2], mask is None))
+        return original(q, k, v, mask, **kwargs)
+
+    fastattn.flash_attn_ext = spy
+    try:
+        fast = model.generate(ids, **settings)
+    finally:
+        fastattn.flash_attn_ext = original
+    decode = [(n_kv, no_mask) for n_q, n_kv, no_mask in calls if n_q == 1]
+    live = [min(PROMPT + step + 1, WINDOW if name == "mistral" else PROMPT + step + 1)
+            for step in range(settings["max_new_tokens"] - 1) for _ in range(_COMMON["num_hidden_layers"])]
+    assert decode == [(n, True) for n in live]
+    assert torch.equal(fast.sequences, eager.sequences)
+    for step_fast, step_eager in zip(fast.scores, eager.scores, strict=True):
+        assert _relative(step_fast, step_eager) <= RELATIVE
+
+
+@pytest.mark.parametrize("row, keys", [
+    ("0011100", (2, 5)), ("1110000", (0, 3)), ("0000111", (4, 7)), ("1111111", (0, 7)), ("0000000", None),
+    ("0110110", None), ("1000001", None), ("0001000", (3, 4))])
+def test_live_keys_of_a_mask_row(row, keys):
+    assert fa_hf._live_keys(np.array([c == "1" for c in row])) == keys
+
+
 class _Module(torch.nn.Module):
     is_causal = True
 

@@ -14,7 +14,9 @@ What transformers passes, and what becomes of it:
   float32, 0 where a key takes part and ``-inf`` where it is hidden, (B, 1, Nq, Nkv), or None where no key is
   hidden beyond causality (transformers' own test for SDPA: no padding, and Nq == 1 or Nq == Nkv, and no window
   shorter than Nkv). Boolean masks (True takes part, as SDPA's) and additive masks from another builder (eager's
-  finite minimum) are taken too; a mask with more columns than Nkv is cut to Nkv.
+  finite minimum) are taken too; a mask with more columns than Nkv is cut to Nkv. A one-row mask (batch 1) that
+  lets through one run of keys (a decode step over a static cache's filled rows, or a sliding window) is not
+  read at all: the call gets K/V rows of that run alone and no mask, the decode route of ``flash_attn_ext``.
 - None with ``Nq > 1`` on a causal module: causal with torch's ``is_causal`` alignment (key j is hidden from
   query i when j > i). transformers only leaves the mask out when Nq == Nkv, where every alignment agrees.
 - ``scaling`` (default D**-0.5), ``softcap`` (Gemma 2's ``attn_logit_softcapping``), ``s_aux`` (GPT-OSS's sinks,
@@ -68,10 +70,19 @@ def attention_mask_for(batch_size: int, q_length: int, kv_length: int, q_offset=
     mask = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function or causal_mask_function,
                      attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+    global _decode_mask
     if mask is None:
         return None
-    return torch.where(mask, torch.zeros((), dtype=torch.float32, device=mask.device),
-                       torch.tensor(-math.inf, dtype=torch.float32, device=mask.device))
+    additive = torch.where(mask, torch.zeros((), dtype=torch.float32, device=mask.device),
+                           torch.tensor(-math.inf, dtype=torch.float32, device=mask.device))
+    if mask.shape[:3] == (1, 1, 1) and mask.device.type == "cpu":
+        _decode_mask = (additive, _live_keys(mask.numpy()[0, 0, 0]))
+    return additive
+
+
+#: The last one-row mask ``attention_mask_for`` built and its live keys (``_live_keys``): transformers builds one
+#: mask per forward and hands it to every layer, where a decode step then reads K/V rows [j0, j1) without a mask.
+_decode_mask: tuple = (None, None)
 
 
 @functools.lru_cache(maxsize=4)
@@ -92,6 +103,15 @@ def _mask_array(attention_mask, n_kv: int) -> np.ndarray:
     elif attention_mask.dtype not in (torch.float32, torch.float16):
         attention_mask = attention_mask.to(torch.float32)
     return as_array("attention_mask", attention_mask)
+
+
+def _live_keys(live: np.ndarray) -> tuple[int, int] | None:
+    """(j0, j1) when the boolean row ``live`` is True exactly on j0 .. j1 - 1 (one run of keys), else None."""
+    j0 = int(live.argmax())
+    if not live[j0]:
+        return None
+    j1 = live.shape[0] - int(live[::-1].argmax())
+    return (j0, j1) if np.count_nonzero(live) == j1 - j0 else None
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -115,7 +135,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     k = as_array("key", key)
     v = as_array("value", value)
     n_q, n_kv = q.shape[2], k.shape[2]
-    if attention_mask is not None:
+    built, keys = _decode_mask
+    if attention_mask is not None and attention_mask is built and keys is not None and keys[1] <= n_kv:
+        # the live keys alone, without a mask (a mask hiding the others gives the same attention)
+        k, v, mask = k[:, :, keys[0]:keys[1]], v[:, :, keys[0]:keys[1]], None
+    elif attention_mask is not None:
         mask = _mask_array(attention_mask, n_kv)
     elif n_q > 1 and (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
         mask = _causal_mask(n_q, n_kv)
