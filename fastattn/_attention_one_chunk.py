@@ -151,11 +151,11 @@ def run_one_chunk(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     args = (element_strides(q), element_strides(k), element_strides(v),
             None if mask is None else element_strides(mask), slopes, sinks, np.float32(scale), np.float32(softcap),
             out, spans_of(mask, Nq), per_head, rows)
-    if n_threads > 1:
-        with _threads.team("one_chunk", nbytes, n_threads) as launch:
+    with _threads.team("one_chunk", nbytes, n_threads) as launch:
+        if launch.n > 1:
             call_any_layout(_parallel, STRIDED, *args, np.zeros(1, np.int64), launch.n, unit=UNIT)
-    else:
-        call_any_layout(_serial, STRIDED, *args, unit=UNIT)
+        else:
+            call_any_layout(_serial, STRIDED, *args, unit=UNIT)
     check_unit(rows)
 
 

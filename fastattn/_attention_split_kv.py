@@ -209,10 +209,10 @@ def run_split_kv(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     args = (element_strides(q), element_strides(k), element_strides(v),
             None if mask is None else element_strides(mask), slopes, sinks, np.float32(scale), np.float32(softcap),
             out, rows, Mp, Sp, Ap, spans_of(mask, 1), per_head, group)
-    if n_threads > 1:
-        with _threads.team("split_kv", nbytes, n_threads) as launch:
+    with _threads.team("split_kv", nbytes, n_threads) as launch:
+        if launch.n > 1:
             call_any_layout(_parallel, STRIDED, *args, np.zeros(launch.n * COUNTER_STRIDE, np.int64), launch.n,
                             unit=UNIT)
-    else:
-        call_any_layout(_serial, STRIDED, *args, unit=UNIT)
+        else:
+            call_any_layout(_serial, STRIDED, *args, unit=UNIT)
     check_unit(group)

@@ -362,11 +362,9 @@ def run_tiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     nbytes = q.nbytes + k.nbytes + v.nbytes + out.nbytes + (0 if mask is None else mask[..., :Nq, :].nbytes)
     work = int(nbytes + BYTES_PER_FLOP * flops)
     n_threads = min(_threads.threads_for(work), n_tasks)
-    if n_threads == 1:
-        _run_tiles(_run_serial, 1, q, k, v, mask, slopes, sinks, scale, softcap, out)
-        return
     with _threads.team("tiled", work, n_threads) as launch:
-        _run_tiles(_run_parallel, launch.n, q, k, v, mask, slopes, sinks, scale, softcap, out)
+        _run_tiles(_run_parallel if launch.n > 1 else _run_serial, launch.n, q, k, v, mask, slopes, sinks, scale,
+                   softcap, out)
 
 
 def _run_tiles(run, n_slots: int, q, k, v, mask, slopes, sinks, scale: float, softcap: float, out) -> None:

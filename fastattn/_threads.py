@@ -7,8 +7,9 @@ NumPy matmul whose BLAS threads still spin (``bench/bench_layer.py::test_pool_wa
 
 1. **Size.** Every op estimates the bytes it moves and runs its serial kernel below ``PARALLEL_MIN_BYTES``
    (``threads_for``): that work is shorter than any wake-up.
-2. **Measured launches** (``team``). Above it the op runs its ``prange`` kernel, on ``get_num_threads()``
-   threads or on the calling thread alone, whichever has been faster *where the op runs*: per call site (op,
+2. **Measured launches** (``team``). Above it the op runs its ``prange`` kernel on ``get_num_threads()``
+   threads, or its serial kernel on the calling thread (the code a 1-thread call runs, so that the one-thread
+   choice costs what ``num_threads(1)`` costs), whichever has been faster *where the op runs*: per call site (op,
    thread count, size class: a power of two of bytes) the rule keeps a running mean of the wall time of each
    choice, tries each ``TRIES`` times first (the first try of each is not counted: it may compile), then takes
    the faster (all threads only when at least ``PARALLEL_GAIN`` faster) and tries the other once every
@@ -245,8 +246,9 @@ Launch = Team | FixedTeam
 
 
 def team(op: str, nbytes: int, n: int) -> Launch:
-    """``with team("op", nbytes, n) as launch:`` run the op's ``prange`` kernel on ``launch.n`` threads: ``n``
-    (``threads_for``'s count) or 1, the call site's faster choice so far; Numba's count is set to it. The
+    """``with team("op", nbytes, n) as launch:`` run the op's ``prange`` kernel on ``launch.n`` threads when it
+    is above 1, else its serial kernel: ``n`` (``threads_for``'s count) or 1, the call site's faster choice so
+    far; Numba's count is set to it. The
     block's wall time is recorded for the call site, unless it raises or calls ``launch.cancel()`` (a route
     that declined the call)."""
     if n <= 1:

@@ -242,12 +242,8 @@ def rms_norm_mul(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | Non
 def _norm_rows(op: str, x: np.ndarray, w: np.ndarray | None, out: np.ndarray, eps: float) -> None:
     """The norm of x's rows into out, w (None for none) repeated along x's leading axes: serially below the
     threading rule's size, else on the call site's measured team (``_threads``)."""
-    n = _threads.threads_for(2 * x.nbytes)
-    if n == 1:
-        _norm_rows_with(_norm_serial, x, w, out, eps)
-    else:
-        with _threads.team(op, 2 * x.nbytes, n):
-            _norm_rows_with(_norm_parallel, x, w, out, eps)
+    with _threads.team(op, 2 * x.nbytes, _threads.threads_for(2 * x.nbytes)) as launch:
+        _norm_rows_with(_norm_parallel if launch.n > 1 else _norm_serial, x, w, out, eps)
 
 
 def _norm_rows_with(run, x: np.ndarray, w: np.ndarray | None, out: np.ndarray, eps: float) -> None:
@@ -276,13 +272,8 @@ def add_rms_norm_mul(x: np.ndarray, residual: np.ndarray, w: np.ndarray, eps: fl
         sum_out = np.empty(x.shape, x.dtype)
     if out is None:
         out = np.empty(x.shape, x.dtype)
-    n = _threads.threads_for(4 * x.nbytes)
-    if n == 1:
+    with _threads.team("add_rms_norm_mul", 4 * x.nbytes, _threads.threads_for(4 * x.nbytes)) as launch:
+        run = _add_norm_parallel if launch.n > 1 else _add_norm_serial
         for (xk, rk, sk, ok), (wk,) in _blocks([x, residual, sum_out, out], w):
-            call_any_layout(_add_norm_serial, _ANY5, xk, rk, wk, sk, ok, eps, adjacent_rows(xk, rk, wk, sk, ok))
-    else:
-        with _threads.team("add_rms_norm_mul", 4 * x.nbytes, n):
-            for (xk, rk, sk, ok), (wk,) in _blocks([x, residual, sum_out, out], w):
-                call_any_layout(_add_norm_parallel, _ANY5, xk, rk, wk, sk, ok, eps,
-                                adjacent_rows(xk, rk, wk, sk, ok))
+            call_any_layout(run, _ANY5, xk, rk, wk, sk, ok, eps, adjacent_rows(xk, rk, wk, sk, ok))
     return sum_out, out

@@ -482,10 +482,10 @@ def quantize(x: np.ndarray, qtype: str) -> Quantized:
         raise ValueError(f"qtype must be one of {tuple(BLOCK_BYTES)}, got {qtype!r}")
     data = np.empty(x.shape[:-1] + (x.shape[-1] // BLOCK * BLOCK_BYTES[qtype],), np.uint8)
     code = QTYPE_CODES[qtype]
-    n = _threads.threads_for(x.size * (x.itemsize + 1))
-    with _threads.team("quantize", x.size * (x.itemsize + 1), n):
+    nbytes = x.size * (x.itemsize + 1)
+    with _threads.team("quantize", nbytes, _threads.threads_for(nbytes)) as launch:
         for xr, dr in _row_pairs(kernel_view(x), data):
-            call_any_layout(_quantize_serial if n == 1 else _quantize_parallel, (0,), xr, dr, code)
+            call_any_layout(_quantize_parallel if launch.n > 1 else _quantize_serial, (0,), xr, dr, code)
     return Quantized(data, qtype)
 
 
@@ -493,8 +493,7 @@ def dequantize(a: Quantized) -> np.ndarray:
     """The float32 values of ``a`` in its logical shape (q · d per block, as ggml's dequantizers)."""
     a = quantized_array("a", a)
     out = np.empty(a.shape, np.float32)
-    n = _threads.threads_for(out.size * 5)
-    with _threads.team("dequantize", out.size * 5, n):
+    with _threads.team("dequantize", out.size * 5, _threads.threads_for(out.size * 5)) as launch:
         for dr, orow in _row_pairs(bytes_view(a), out):
-            call_any_layout(_dequantize_serial if n == 1 else _dequantize_parallel, (0,), dr, orow)
+            call_any_layout(_dequantize_parallel if launch.n > 1 else _dequantize_serial, (0,), dr, orow)
     return out

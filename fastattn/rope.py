@@ -137,12 +137,12 @@ def _rotate(x: np.ndarray, out: np.ndarray, cs: np.ndarray, pairing: tuple) -> N
     nbytes = 2 * x.nbytes
     n_threads = _threads.threads_for(nbytes) if nbytes >= _threads.PARALLEL_MIN_BYTES and xk.shape[1] > 1 else 1
     flags = (interleaved, out is x, token_layout(xk, ok))
-    if n_threads > 1:
-        with _threads.team("apply_rope_cache", nbytes, n_threads) as launch:
+    with _threads.team("apply_rope_cache", nbytes, n_threads) as launch:
+        if launch.n > 1:
             call_any_layout(drive_parallel, (0, 1, 4), xk, ok, None, None, cs, n_pairs, *flags,
                             np.zeros(1, np.int64), launch.n, unit=CACHED_UNIT)
-    else:
-        call_any_layout(drive_serial, (0, 1, 4), xk, ok, None, None, cs, n_pairs, *flags)
+        else:
+            call_any_layout(drive_serial, (0, 1, 4), xk, ok, None, None, cs, n_pairs, *flags)
 
 
 def _last_of_duplicates(idx: np.ndarray) -> np.ndarray:
@@ -168,15 +168,15 @@ def _write_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, params: _args.
     n_pairs, interleaved = params.pairing[0], params.pairing[1]
     layout = token_layout(xk, dk)
     x1 = xk[None]  # (1, N, H, D): the drivers step through axis 1
-    if n_threads == 1:  # in order, every token writes: the last duplicate wins
-        if cs is None:
-            cs = build_cs(pos, params)
-        call_any_layout(drive_serial, (0, 1, 2, 4), x1, dk, idx, np.ones(n_tokens, np.bool_), cs, n_pairs,
-                        interleaved, False, layout)
-        return
-    keep = _last_of_duplicates(idx)
-    next_task = np.zeros(1, np.int64)
     with _threads.team("rope_set_rows", nbytes, n_threads) as launch:
+        if launch.n == 1:  # in order, every token writes: the last duplicate wins
+            if cs is None:
+                cs = build_cs(pos, params)
+            call_any_layout(drive_serial, (0, 1, 2, 4), x1, dk, idx, np.ones(n_tokens, np.bool_), cs, n_pairs,
+                            interleaved, False, layout)
+            return
+        keep = _last_of_duplicates(idx)
+        next_task = np.zeros(1, np.int64)
         if cs is not None:
             call_any_layout(drive_parallel, (0, 1, 2, 4), x1, dk, idx, keep, cs, n_pairs, interleaved, False,
                             layout, next_task, launch.n, unit=CACHED_UNIT)
@@ -209,20 +209,20 @@ def _write_quantized(dst: Quantized, data3: np.ndarray, x: np.ndarray, idx: np.n
         return
     xk = kernel_view(x)
     layout = token_layout(xk, np.empty((1, x.shape[1], x.shape[2]), np.float32))  # into a C scratch
-    if cs is None:
-        table = params.table
-        with _threads.team("rope_set_rows_quantized", nbytes, n_threads) as launch:
+    with _threads.team("rope_set_rows_quantized", nbytes, n_threads) as launch:
+        if launch.n == 1:  # in order, every token writes: the last duplicate wins
+            if cs is None:
+                cs = build_cs(streams, params)
+            call_any_layout(rope_quantize_serial, (0, 1, 2), xk, data3, idx, np.ones(n_tokens, np.bool_), cs,
+                            params.pairing[0], params.pairing[1], layout, code)
+        elif cs is None:  # the tasks make their own cos/sin rows
+            table = params.table
             call_any_layout(rope_quantize_fused, _FUSED_QUANTIZED_ARRAYS, xk, data3, idx, _last_of_duplicates(idx),
                             streams, table.streams, table.w, table.step_cos, table.step_sin, table.cos_scale,
                             table.sin_scale, params.pairing[1], layout, code, np.zeros(1, np.int64), launch.n)
-        return
-    args = (cs, params.pairing[0], params.pairing[1], layout, code)
-    if n_threads == 1:
-        call_any_layout(rope_quantize_serial, (0, 1, 2), xk, data3, idx, np.ones(n_tokens, np.bool_), *args)
-        return
-    with _threads.team("rope_set_rows_quantized", nbytes, n_threads) as launch:
-        call_any_layout(rope_quantize_parallel, (0, 1, 2), xk, data3, idx, _last_of_duplicates(idx), *args,
-                        np.zeros(1, np.int64), launch.n)
+        else:
+            call_any_layout(rope_quantize_parallel, (0, 1, 2), xk, data3, idx, _last_of_duplicates(idx), cs,
+                            params.pairing[0], params.pairing[1], layout, code, np.zeros(1, np.int64), launch.n)
 
 
 def _team(op: str, nbytes: int) -> _threads.Launch:

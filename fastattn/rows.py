@@ -175,11 +175,11 @@ def _set_rows_quantized(dst: Quantized, src: np.ndarray, idx: np.ndarray) -> Qua
             raise _args.index_error(idx, n_rows, bad)
     # the cache bytes and the values typed any layout: one compilation whether the merged blocks are contiguous
     # or strided (quantize_row checks each row's strides itself)
-    if n_workers == 1:
-        _write_blocks(blocks, idx, n_rows,
-                      lambda dk, sk, ik: call_any_layout(_set_quantized_serial, (0, 1), dk, sk, ik, code))
-    else:
-        with _threads.team("set_rows_quantized", src.size * (src.itemsize + 1), n_workers) as launch:
+    with _threads.team("set_rows_quantized", src.size * (src.itemsize + 1), n_workers) as launch:
+        if launch.n == 1:
+            _write_blocks(blocks, idx, n_rows,
+                          lambda dk, sk, ik: call_any_layout(_set_quantized_serial, (0, 1), dk, sk, ik, code))
+        else:
             _write_blocks(blocks, idx, n_rows,
                           lambda dk, sk, ik: call_any_layout(_set_quantized_parallel, (0, 1), dk, sk, ik, code,
                                                              launch.n))
@@ -242,11 +242,11 @@ def set_rows(dst: np.ndarray, src: np.ndarray, idx: np.ndarray) -> np.ndarray:
         if bad is not None:
             raise _args.index_error(idx, n_rows, bad)
     adjacent = adjacent_rows(dst, src)
-    if n_workers == 1:
-        _write_blocks(blocks, idx, n_rows,
-                      lambda dk, sk, ik: call_any_layout(_set_rows_serial, _ANY3, dk, sk, ik, adjacent))
-    else:
-        with _threads.team("set_rows", src.size * (src.itemsize + dst.itemsize), n_workers) as launch:
+    with _threads.team("set_rows", src.size * (src.itemsize + dst.itemsize), n_workers) as launch:
+        if launch.n == 1:
+            _write_blocks(blocks, idx, n_rows,
+                          lambda dk, sk, ik: call_any_layout(_set_rows_serial, _ANY3, dk, sk, ik, adjacent))
+        else:
             _write_blocks(blocks, idx, n_rows, lambda dk, sk, ik: call_any_layout(
                 _set_rows_parallel, _ANY3, dk, sk, ik, adjacent, launch.n))
     return dst

@@ -270,3 +270,25 @@ def test_both_measured_choices_give_the_same_result(measured_rule, op):
             assert np.array_equal(call(), first)
     sites = [site for key, site in _threads._sites.items() if key[1] == 2]
     assert sites and all(site.tries[0] >= _threads.TRIES and site.tries[1] >= _threads.TRIES for site in sites)
+
+
+@pytest.mark.parametrize("op, module, parallel_kernel", [
+    ("set_rows", "fastattn.rows", "_set_rows_parallel"), ("rms_norm_mul", "fastattn.norm", "_norm_parallel"),
+    ("split_kv", "fastattn._attention_split_kv", "_parallel"), ("tiled", "fastattn._attention_tiled", "_run_parallel")])
+def test_the_one_thread_choice_runs_the_serial_kernel(measured_rule, monkeypatch, op, module, parallel_kernel):
+    """When a call site's measured choice is one thread, the op runs the code a 1-thread call runs (its serial
+    kernel), not its prange kernel on one thread."""
+    import importlib
+
+    call = _ops_above_the_size_rule()[op]
+    with fastattn.num_threads(1):
+        expected = call()
+
+    def refused(*args, **kwargs):
+        raise AssertionError(f"{parallel_kernel} launched for a one-thread choice")
+
+    monkeypatch.setattr(importlib.import_module(module), parallel_kernel, refused)
+    monkeypatch.setattr(_threads._Site, "choose", lambda site: 0)
+    with fastattn.num_threads(2):
+        assert np.array_equal(call(), expected)
+    assert any(site.tries[0] == 1 for key, site in _threads._sites.items() if key[1] == 2)
