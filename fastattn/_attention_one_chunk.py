@@ -162,10 +162,12 @@ def run_one_chunk(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
 @kernel
 def splits_decode(B, Nq, Hkv, Nkv, same_storage, n_threads, min_nkv, min_units_per_thread):
     """``auto``'s decode rule (``attention.choose_path``): split_kv for one query row of one batch, K and V of
-    one storage type (float32 or float16), at least ``min_nkv`` rows and fewer than ``min_units_per_thread``
-    (batch, KV head) units per thread."""
-    return (Nq == 1 and B == 1 and same_storage and Nkv >= min_nkv
-            and B * Hkv < min_units_per_thread * n_threads)
+    one storage type (float32 or float16), at least ``min_nkv`` rows, on several threads among which one_chunk's
+    (batch, KV head) units would not share evenly: not a multiple of the thread count and fewer than
+    ``min_units_per_thread`` per thread."""
+    units = B * Hkv
+    return (Nq == 1 and B == 1 and same_storage and Nkv >= min_nkv and n_threads > 1 and units % n_threads != 0
+            and units < min_units_per_thread * n_threads)
 
 
 @kernel

@@ -41,8 +41,9 @@ from .quant import bytes_view
 
 #: Nkv from which ``auto`` takes split_kv for decode (ggml's threshold).
 SPLIT_KV_MIN_NKV = 512
-#: ``auto`` keeps one_chunk for decode when there are at least this many (batch, KV head) units per thread: with
-#: 8 KV heads on 2 threads one_chunk ran faster than split_kv side by side (docs/attention.md, "`auto`").
+#: ``auto`` keeps one_chunk for decode when its (batch, KV head) units share evenly among the threads or there are
+#: at least this many per thread: with 2, 4 or 8 KV heads on 2 threads, and on one thread, one_chunk ran faster
+#: than split_kv side by side (docs/attention.md, "`auto`").
 ONE_CHUNK_MIN_UNITS_PER_THREAD = 4
 _ND = np.ndarray
 _F64 = np.float64  # 1 / np.sqrt(DK): a scale the fast path takes as it is
@@ -52,8 +53,9 @@ def choose_path(B: int, Nq: int, Hkv: int, Nkv: int, k_dtype, v_dtype, n_threads
     """The path ``auto`` takes for these sizes, K/V storage types (a dtype, or "q8_0" / "q4_0") and thread count.
 
     split_kv for decode (Nq == 1, B == 1, K and V of one type among float32, float16 (ggml's rule), q8_0 and q4_0,
-    Nkv >= SPLIT_KV_MIN_NKV) when the (batch, KV head) units are too few to keep the threads busy (fewer than
-    ONE_CHUNK_MIN_UNITS_PER_THREAD per thread); tiled when Nq reaches the tiled path's Q tile; one_chunk otherwise.
+    Nkv >= SPLIT_KV_MIN_NKV) on several threads when the (batch, KV head) units would keep them unevenly busy (not
+    a multiple of the thread count, and fewer than ONE_CHUNK_MIN_UNITS_PER_THREAD per thread); tiled when Nq
+    reaches the tiled path's Q tile; one_chunk otherwise.
     """
     if splits_decode(B, Nq, Hkv, Nkv, _split_storage(k_dtype, v_dtype), n_threads, SPLIT_KV_MIN_NKV,
                      ONE_CHUNK_MIN_UNITS_PER_THREAD):

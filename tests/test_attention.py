@@ -254,35 +254,35 @@ def test_concurrent_calls_from_python_threads(path):
 # auto
 def test_auto_follows_ggml_rule_with_units_per_thread():
     f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
-    # ggml's decode rule, when the KV heads are too few to give every thread 4 units
-    assert choose_path(1, 1, 1, 512, f16, f16, 1) == "split_kv"
-    assert choose_path(1, 1, 2, 4096, f32, f32, 1) == "split_kv"
-    assert choose_path(1, 1, 8, 4096, f16, f16, 4) == "split_kv"
-    assert choose_path(1, 1, 1, 511, f16, f16, 1) == "one_chunk"
+    # ggml's decode rule, when the KV heads are too few to give every thread 4 units and do not share evenly
+    assert choose_path(1, 1, 1, 512, f16, f16, 2) == "split_kv"
+    assert choose_path(1, 1, 3, 4096, f32, f32, 2) == "split_kv"
+    assert choose_path(1, 1, 6, 4096, f16, f16, 4) == "split_kv"
+    assert choose_path(1, 1, 1, 511, f16, f16, 2) == "one_chunk"
     assert choose_path(2, 1, 1, 4096, f16, f16, 4) == "one_chunk"
     assert choose_path(1, 1, 1, 4096, f16, f32, 4) == "one_chunk"
     assert choose_path(1, 5, 1, 4096, f16, f16, 4) == "one_chunk"
     assert choose_path(1, 512, 8, 512, f16, f16, 2) == "tiled"
-    # enough KV heads: one_chunk (measured faster at 8 KV heads on 2 threads)
+    # enough KV heads, or as many per thread: one_chunk (measured faster at 2, 4 and 8 KV heads on 2 threads)
     assert choose_path(1, 1, 8, 4096, f16, f16, 2) == "one_chunk"
-    assert choose_path(1, 1, 4, 4096, f32, f32, 1) == "one_chunk"
-    assert choose_path(1, 1, 3, 4096, f32, f32, 1) == "split_kv"
+    assert choose_path(1, 1, 2, 4096, f32, f32, 2) == "one_chunk"
+    assert choose_path(1, 1, 8, 4096, f16, f16, 4) == "one_chunk"
+    assert choose_path(1, 1, 9, 4096, f16, f16, 2) == "one_chunk"
+    # one thread: split_kv's partials and fold buy nothing
+    assert choose_path(1, 1, 1, 4096, f32, f32, 1) == "one_chunk"
+    assert choose_path(1, 1, 3, 4096, f32, f32, 1) == "one_chunk"
 
 
 def test_auto_decode_takes_the_chosen_path():
     rng = np.random.default_rng(3)
     q = rng.standard_normal((1, 8, 1, 16)).astype(np.float32)
-    k = rng.standard_normal((1, 2, 600, 16)).astype(np.float16)
-    v = rng.standard_normal((1, 2, 600, 16)).astype(np.float16)
-    for threads, path in ((1, "split_kv"), (2, "split_kv")):
+    kv = {n: rng.standard_normal((2, 1, n, 600, 16)).astype(np.float16) for n in (1, 2, 4)}
+    for n_kv_heads, threads, path in ((1, 2, "split_kv"), (1, 1, "one_chunk"), (2, 2, "one_chunk"),
+                                      (2, 1, "one_chunk"), (4, 1, "one_chunk")):
+        k, v = kv[n_kv_heads]
         with fastattn.num_threads(threads):
             auto = fastattn.flash_attn_ext(q, k, v, scale=0.25)
             assert np.array_equal(auto, fastattn.flash_attn_ext(q, k, v, scale=0.25, path=path))
-    k4 = rng.standard_normal((1, 4, 600, 16)).astype(np.float16)
-    v4 = rng.standard_normal((1, 4, 600, 16)).astype(np.float16)
-    with fastattn.num_threads(1):
-        auto = fastattn.flash_attn_ext(q, k4, v4, scale=0.25)
-        assert np.array_equal(auto, fastattn.flash_attn_ext(q, k4, v4, scale=0.25, path="one_chunk"))
 
 
 # ---------------------------------------------------------------------------------------------------------------

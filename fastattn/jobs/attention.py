@@ -1,7 +1,7 @@
 """Main-job cases for ``flash_attn_ext``: a causal prefill and a decode step of a Llama-like layer.
 
 K/V are float16 (a KV cache as llama.cpp keeps it by default); the decode cases read ``Config.decode_n_kv`` (512)
-rows, the smallest context at which ggml (and ``auto``) takes the split-KV path, and once more from a Q8_0 cache
+rows, the smallest context at which ggml takes the split-KV path, and once more from a Q8_0 cache
 (llama.cpp's ``-ctk q8_0 -ctv q8_0``). Checked by ``fastattn.testing``'s rule against a straightforward float32
 evaluation (on the dequantized values for Q8_0), with the attention tests' floor.
 """

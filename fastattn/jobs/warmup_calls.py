@@ -226,7 +226,7 @@ def attention_prefill(dtype: np.dtype, call: _Calls) -> None:
 
 
 def attention_decode(dtype: np.dtype, call: _Calls) -> None:
-    """Decode: Nkv 64 (serial), Nkv 2048 with 2 KV heads (split_kv under auto) and 8 (one_chunk)."""
+    """Decode: Nkv 64 (serial), Nkv 2048 with 2 and 8 KV heads, on every path (``auto`` picks by thread count)."""
     _attention(dtype, call, [(1, 64, _HEADS_KV), (1, 2048, _HEADS_KV), (1, 2048, 4 * _HEADS_KV)],
                ("auto", "one_chunk", "split_kv"))
 
