@@ -6,7 +6,8 @@ the float32 values ``rope_ext`` makes, with the cos/sin row ``cs[n]``), and each
 into its blocks of the cache row ``idx[n]`` (``quant.quantize_row``: ggml's reference rounding). The bytes are
 those of ``rope_ext`` followed by ``set_rows`` into the same ``Quantized``, without the rotated rows ever being
 written out. Tokens are independent: above the threading rule's size, threads take tasks from a shared counter
-(``_kernel.fetch_add``); a loop below it. With a prebuilt table (``apply_rope_cache_set_rows``) a task is
+(``_kernel.fetch_add``); a loop below it. The parallel drivers call their thread's task loop by address
+(``_kernel.call_unit``), so its code is compiled once and not again inside each driver. With a prebuilt table (``apply_rope_cache_set_rows``) a task is
 TOKENS_PER_TASK tokens; otherwise (``rope_quantize_fused``) it is one CACHE_BLOCK of tokens whose cos/sin rows the
 thread makes in its own scratch first (``_rope_cache.cache_block``: the values ``rope_cache`` would store), as
 ``_rope_drivers.drive_fused`` does for float caches, so the table is not built serially before the threads start.
@@ -17,7 +18,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from ._kernel import fetch_add
+from ._kernel import call_unit, fetch_add
 from ._rope_cache import CACHE_BLOCK, cache_block
 from ._rope_rotate import _EXACT, rope_block
 from .quant import quantize_row
@@ -57,13 +58,17 @@ def _tasks(x, data, idx, keep, cs, n_pairs, interleaved, layout, code, next_task
         task = fetch_add(next_task)
 
 
+#: ``rope_quantize_parallel``'s unit (``_kernel.call_any_layout``): ``_tasks`` on its arguments but the last.
+UNIT = (_tasks, tuple(range(10)), ())
+
+
 @numba.njit(**dict(_EXACT, parallel=True))
-def rope_quantize_parallel(x, data, idx, keep, cs, n_pairs, interleaved, layout, code, next_task, n_threads):
+def rope_quantize_parallel(unit, x, data, idx, keep, cs, n_pairs, interleaved, layout, code, next_task, n_threads):
     """``rope_quantize_serial`` on ``n_threads`` threads, which take tasks of TOKENS_PER_TASK tokens from
     ``next_task`` (a zeroed int64 counter: a thread slowed down by another process takes fewer), each thread with
-    its own scratch."""
+    its own scratch. ``unit``: the handle of ``_tasks``."""
     for _ in prange(n_threads):
-        _tasks(x, data, idx, keep, cs, n_pairs, interleaved, layout, code, next_task)
+        call_unit(unit, (x, data, idx, keep, cs, n_pairs, interleaved, layout, code, next_task))
 
 
 @numba.njit(**_EXACT)
@@ -86,12 +91,16 @@ def _fused_tasks(x, data, idx, keep, pos, streams, w, step_cos, step_sin, cos_sc
         task = fetch_add(next_task)
 
 
+#: ``rope_quantize_fused``'s unit: ``_fused_tasks`` on its arguments but the last.
+FUSED_UNIT = (_fused_tasks, tuple(range(15)), ())
+
+
 @numba.njit(**dict(_EXACT, parallel=True))
-def rope_quantize_fused(x, data, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
-                        layout, code, next_task, n_threads):
+def rope_quantize_fused(unit, x, data, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale,
+                        interleaved, layout, code, next_task, n_threads):
     """``rope_quantize_parallel`` with the cos/sin of positions ``pos`` (streams, N) made in the same pass from the
     table's (streams, w, step_cos, step_sin, cos_scale, sin_scale) (``_rope_pairs``), a CACHE_BLOCK of tokens per
-    task."""
+    task. ``unit``: the handle of ``_fused_tasks``."""
     for _ in prange(n_threads):
-        _fused_tasks(x, data, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
-                     layout, code, next_task)
+        call_unit(unit, (x, data, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
+                         layout, code, next_task))

@@ -36,6 +36,8 @@ from ._kernel import call_any_layout, kernel_view
 from ._quantized import QTYPE_CODES, Quantized
 from ._rope_cache import CACHE_BLOCK, build_cs
 from ._rope_drivers import CACHED_UNIT, FUSED_UNIT, drive_fused, drive_parallel, drive_serial
+from ._rope_quantized import FUSED_UNIT as FUSED_QUANTIZED_UNIT
+from ._rope_quantized import UNIT as QUANTIZED_UNIT
 from ._rope_quantized import rope_quantize_fused, rope_quantize_parallel, rope_quantize_serial
 from ._rope_rotate import token_layout
 from ._rope_routes import CACHED, CACHED_PREFILL, CACHED_QUANTIZED, FUSED
@@ -219,10 +221,12 @@ def _write_quantized(dst: Quantized, data3: np.ndarray, x: np.ndarray, idx: np.n
             table = params.table
             call_any_layout(rope_quantize_fused, _FUSED_QUANTIZED_ARRAYS, xk, data3, idx, _last_of_duplicates(idx),
                             streams, table.streams, table.w, table.step_cos, table.step_sin, table.cos_scale,
-                            table.sin_scale, params.pairing[1], layout, code, np.zeros(1, np.int64), launch.n)
+                            table.sin_scale, params.pairing[1], layout, code, np.zeros(1, np.int64), launch.n,
+                            unit=FUSED_QUANTIZED_UNIT)
         else:
             call_any_layout(rope_quantize_parallel, (0, 1, 2), xk, data3, idx, _last_of_duplicates(idx), cs,
-                            params.pairing[0], params.pairing[1], layout, code, np.zeros(1, np.int64), launch.n)
+                            params.pairing[0], params.pairing[1], layout, code, np.zeros(1, np.int64), launch.n,
+                            unit=QUANTIZED_UNIT)
 
 
 def _team(op: str, nbytes: int) -> _threads.Launch:
