@@ -47,7 +47,7 @@ from ._attention_nonfinite import sanitised_rows
 from ._attention_quantized import row_elements, row_scratch, v_block_rows
 from ._attention_rows import ROWS, _axpy1, _axpy4, _axpy4x2, _axpy4x4, _dot1, _dot4, _dot4x2, _prefetch_row
 from ._attention_softmax import NEG_INF, _block_mask, _block_weights, _live_rows, _mask_terms, _score
-from ._attention_stream import stream_if_float32
+from ._attention_stream import stream_if_float32, stream_rows
 from ._kernel import kernel, unit_address
 
 #: Software prefetch distances: K rows this many bytes ahead of the rows being scored, V rows this many (at
@@ -203,6 +203,20 @@ _F32_BLOCK = types.Array(types.float32, 2, "C")
 _handles: dict = {}
 
 
+def _rows_types(k_dtype: np.dtype, v_dtype: np.dtype, mask_dtype: np.dtype | None, per_head: bool | None) -> tuple:
+    """The types of the arguments the one_chunk and split_kv units pass ``group_rows`` but ``streaming``."""
+    def rows(dtype):
+        return types.Tuple((types.Array(numpy_support.from_dtype(dtype), 1, "C"), types.int64, types.int64,
+                            types.int64))
+    # flat_mask's array: none without a mask, else optional (its two returns unified)
+    mf = types.none if mask_dtype is None else types.Optional(types.Array(numpy_support.from_dtype(mask_dtype), 1, "C"))
+    mask_at = types.Tuple((types.int64, types.int64, types.int64, types.int64,
+                           types.none if per_head is None else types.boolean))
+    return (_F32_BLOCK, rows(k_dtype), rows(v_dtype), mf, mask_at, _F32_ROW, types.int64, types.float32,
+            types.float32, types.int64, types.int64, types.UniTuple(_F32_ROW, 3),
+            types.Tuple((_F32_BLOCK, types.Array(types.int64, 1, "C"))))
+
+
 def group_rows_handle(k_dtype: np.dtype, v_dtype: np.dtype, mask_dtype: np.dtype | None,
                       per_head: bool | None) -> np.ndarray:
     """``group_rows``' address (``_kernel.unit_address``) for the argument types the one_chunk and split_kv units
@@ -212,16 +226,16 @@ def group_rows_handle(k_dtype: np.dtype, v_dtype: np.dtype, mask_dtype: np.dtype
     key = (k_dtype, v_dtype, mask_dtype, per_head)
     handle = _handles.get(key)
     if handle is None:
-        def rows(dtype):
-            return types.Tuple((types.Array(numpy_support.from_dtype(dtype), 1, "C"), types.int64, types.int64,
-                                types.int64))
-        # flat_mask's array: none without a mask, else optional (its two returns unified)
-        mf = types.none if mask_dtype is None else types.Optional(
-            types.Array(numpy_support.from_dtype(mask_dtype), 1, "C"))
-        mask_at = types.Tuple((types.int64, types.int64, types.int64, types.int64,
-                               types.none if per_head is None else types.boolean))
-        arg_types = (_F32_BLOCK, rows(k_dtype), rows(v_dtype), mf, mask_at, _F32_ROW, types.int64, types.float32,
-                     types.float32, types.int64, types.int64, types.UniTuple(_F32_ROW, 3),
-                     types.Tuple((_F32_BLOCK, types.Array(types.int64, 1, "C"))), types.boolean)
+        arg_types = _rows_types(k_dtype, v_dtype, mask_dtype, per_head) + (types.boolean,)
         handle = _handles[key] = unit_address(group_rows, arg_types)
+    return handle
+
+
+def stream_rows_handle() -> np.ndarray:
+    """``stream_rows``' address for the arguments the float32 decode route's unit passes it (float32 K/V, no
+    mask), which calls it by address for the same reason as ``group_rows_handle``."""
+    handle = _handles.get("stream")
+    if handle is None:
+        f32 = np.dtype(np.float32)
+        handle = _handles["stream"] = unit_address(stream_rows, _rows_types(f32, f32, None, None))
     return handle

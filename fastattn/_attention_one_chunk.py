@@ -20,7 +20,6 @@ from numba import prange, types
 
 from . import _threads
 from ._attention_group import group_rows_handle, load_group_queries
-from ._attention_stream import stream_rows
 from ._attention_layout import element_strides, flat4, flat_mask, live_range, no_sinks, spans_of
 from ._attention_rows import ROWS
 from ._attention_softmax import finalize
@@ -94,21 +93,20 @@ def _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, ro
 @kernel(inline=True)
 def _streamed(handle, args):
     qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch, streaming = args
-    stream_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch)
+    call_unit(handle, (qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch))
 
 
 @kernel
 def _stream_unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u):
     """``_unit`` for the decode route on float32 K/V (one query row): ``stream_rows`` alone, as ``group_rows``
-    runs it for such a row, without compiling ``group_rows``' own float32 loops (``rows`` is not used)."""
+    runs it for such a row, without compiling ``group_rows``' own float32 loops; ``rows`` is ``stream_rows``'
+    handle (``_attention_group.stream_rows_handle``)."""
     _unit_rows(_streamed, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u)
 
 
 #: The drivers' unit (``_kernel.call_any_layout``): ``_unit`` on the drivers' first twelve arguments and a unit
 #: number.
 UNIT = (_unit, tuple(range(12)), (types.int64,))
-#: The handle a unit that calls no ``group_rows`` is passed (``_stream_unit``).
-NO_ROWS = np.zeros(3, np.int64)
 #: The decode route's unit on float32 K/V (``attention._route_unit``).
 STREAM_UNIT = _stream_unit
 

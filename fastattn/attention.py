@@ -30,8 +30,8 @@ from numba import types
 from . import _threads
 from ._args import attention as _args
 from ._attention_layout import no_sinks
-from ._attention_group import group_rows_handle
-from ._attention_one_chunk import NO_ROWS, STREAM_UNIT, UNIT, decode_fast, run_one_chunk, splits_decode
+from ._attention_group import group_rows_handle, stream_rows_handle
+from ._attention_one_chunk import STREAM_UNIT, UNIT, decode_fast, run_one_chunk, splits_decode
 from ._attention_split_kv import run_split_kv
 from ._attention_tiled import Q_TILE, run_tiled
 from ._dispatch import Route, array_type
@@ -172,11 +172,11 @@ def _route_types(k_dtype, v_dtype) -> tuple:
 def _route_unit(k_dtype, v_dtype) -> tuple:
     """The handles ``decode_fast`` takes: one_chunk's unit (float32 K/V: its streaming variant) for the argument
     types ``decode_fast`` passes it (no mask, contiguous slopes and sinks, no per-head mask), and ``group_rows``'
-    (float32 K/V: none, the streaming unit does not call it)."""
+    (float32 K/V: ``stream_rows``', which the streaming unit calls)."""
     a4 = array_type(FLOAT32, 4)
     c1 = types.Array(types.float32, 1, "C")
     streaming = k_dtype == FLOAT32 and v_dtype == FLOAT32
-    rows = NO_ROWS if streaming else group_rows_handle(_HALF_VIEW.get(k_dtype, k_dtype),
+    rows = stream_rows_handle() if streaming else group_rows_handle(_HALF_VIEW.get(k_dtype, k_dtype),
                                                        _HALF_VIEW.get(v_dtype, v_dtype), None, None)
     unit = unit_address(STREAM_UNIT if streaming else UNIT[0],
                         (a4, array_type(k_dtype, 4), array_type(v_dtype, 4), types.none, c1, c1, types.float32,
