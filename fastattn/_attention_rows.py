@@ -4,9 +4,10 @@ Query heads go in blocks of 4 (the rest one by one). ``_dot4x2`` scores two K ro
 the rows (8 sums); ``_axpy4x4`` adds four weighted V rows to 4 heads' accumulators, loading and storing each
 accumulator once per four rows (the per-row update is bound by its 256-bit stores).
 
-They are intrinsics that emit their vector loops themselves (``_simd``): 8 columns at a time with one
-``<8 x float>`` accumulator per head and row, float16/bfloat16 bits widened in registers (``load8``), then the
-columns past the last multiple of 8 one by one; a column stride other than 1 takes the scalar loop for every
+They are intrinsics that emit their vector loops themselves (``_simd``): a vector of columns at a time (float16
+and bfloat16 rows: 16 where Numba's target has AVX-512, else 8; float32 rows: 8, ``_row_lanes``) with one float
+vector accumulator per head and row, float16/bfloat16 bits widened in registers (``load_lanes``), then the
+columns past the last whole vector one by one; a column stride other than 1 takes the scalar loop for every
 column. Intrinsics rather than Numba loops inlined into ``group_rows``: an inlined loop is typed, inlined and
 vectorised again at each call site (about 4 s of each ``group_rows`` specialisation's compile), where an
 intrinsic hands LLVM straight vector code. A (head, row) score is the same sum in every variant (the lanes reduced pairwise, then the scalar
@@ -26,8 +27,8 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from ._quantized import BLOCK as QUANT_BLOCK
-from ._simd import (KERNEL_DTYPES, LANES, QUANT_DTYPES, V8, as_int64, block_scale, block_values, const, fma, hsum,
-                    hsum_any, load1, load8, load_floats, loop, prefetch_line, splat, wide_lanes)
+from ._simd import (KERNEL_DTYPES, LANES, QUANT_DTYPES, as_int64, block_scale, block_values, const, fma, hsum_any,
+                    load1, load_floats, load_lanes, loop, prefetch_line, splat, wide_lanes)
 from .quant import block_bytes_of
 
 _I8P = ir.IntType(8).as_pointer()
@@ -51,10 +52,18 @@ def _check_rows(name, matrix, rows, offsets, stride):
                           f"{stride}")
 
 
-def _columns(builder, n, stride):
-    """Columns taken 8 at a time: n rounded down to a multiple of 8 when the column stride is 1, else 0."""
+def _row_lanes(dtype) -> int:
+    """Lanes of the float rows' vectors: ``wide_lanes()`` for float16/bfloat16 rows, 8 for float32 ones. A 16-float
+    load is a whole 64-byte line, and a float32 row rarely starts on one (NumPy's large arrays start 16 bytes
+    into a line), so every such load would span two lines; 16 half-words span at most two, as 8 floats do."""
+    return LANES if dtype == types.float32 else wide_lanes()
+
+
+def _columns(builder, n, stride, lanes):
+    """Columns taken ``lanes`` at a time: n rounded down to a multiple of ``lanes`` when the column stride is 1,
+    else 0."""
     unit = builder.icmp_signed("==", stride, const(1))
-    return builder.select(unit, builder.and_(n, const(-LANES)), const(0))
+    return builder.select(unit, builder.and_(n, const(-lanes)), const(0))
 
 
 def _dot_codegen(n_heads: int, n_rows: int):
@@ -74,16 +83,17 @@ def _dot_codegen(n_heads: int, n_rows: int):
             if len(values) == 1:
                 return values[0]
             return context.make_tuple(builder, signature.return_type, values)
-        n8 = _columns(builder, DK, kcs)
+        lanes = _row_lanes(kf_t.dtype)
+        n_vector = _columns(builder, DK, kcs, lanes)
 
         def vector_step(d, acc):
-            q = [load8(builder, types.float32, row, d) for row in q_rows]
-            k = [load8(builder, kf_t.dtype, kf.data, builder.add(o, d)) for o in offsets]
+            q = [load_lanes(builder, types.float32, row, d, lanes) for row in q_rows]
+            k = [load_lanes(builder, kf_t.dtype, kf.data, builder.add(o, d), lanes) for o in offsets]
             return [fma(builder, q[h], k[r], acc[h * n_rows + r]) for h in range(n_heads) for r in range(n_rows)]
 
-        zero = ir.Constant(V8, [0.0] * LANES)
-        acc = loop(builder, const(0), n8, const(LANES), [zero] * (n_heads * n_rows), vector_step)
-        sums = [hsum(builder, a) for a in acc]
+        zero = ir.Constant(ir.VectorType(ir.FloatType(), lanes), [0.0] * lanes)
+        acc = loop(builder, const(0), n_vector, const(lanes), [zero] * (n_heads * n_rows), vector_step)
+        sums = [hsum_any(builder, a) for a in acc]
 
         def scalar_step(d, acc):
             q = [load1(builder, types.float32, row, d) for row in q_rows]
@@ -91,7 +101,7 @@ def _dot_codegen(n_heads: int, n_rows: int):
             k = [load1(builder, kf_t.dtype, kf.data, builder.add(o, at)) for o in offsets]
             return [fma(builder, q[h], k[r], acc[h * n_rows + r]) for h in range(n_heads) for r in range(n_rows)]
 
-        sums = loop(builder, n8, DK, const(1), sums, scalar_step)
+        sums = loop(builder, n_vector, DK, const(1), sums, scalar_step)
         # heads vary fastest in the result: (head 0 .. 3 of row 1, then of row 2), as the callers unpack them
         values = [sums[h * n_rows + r] for r in range(n_rows) for h in range(n_heads)]
         if len(values) == 1:
@@ -220,17 +230,19 @@ def _axpy_codegen(n_rows: int, n_heads: int):
             _quantized_updates(builder, vf_t.dtype, builder.bitcast(vf.data, _I8P), a_rows, weights, offsets, DV,
                                update)
             return context.get_dummy_value()
-        wide = [[splat(builder, w) for w in row] for row in weights]
+        lanes = _row_lanes(vf_t.dtype)
+        vector = ir.VectorType(ir.FloatType(), lanes)
+        wide = [[splat(builder, w, lanes) for w in row] for row in weights]
 
         def vector_step(d, _):
-            v = [load8(builder, vf_t.dtype, vf.data, builder.add(o, d)) for o in offsets]
+            v = [load_lanes(builder, vf_t.dtype, vf.data, builder.add(o, d), lanes) for o in offsets]
             for h in range(n_heads):
-                ptr = builder.bitcast(builder.gep(a_rows[h], [d]), V8.as_pointer())
+                ptr = builder.bitcast(builder.gep(a_rows[h], [d]), vector.as_pointer())
                 builder.store(update(builder.load(ptr, align=4), wide[h], v), ptr, align=4)
             return []
 
-        n8 = _columns(builder, DV, vcs)
-        loop(builder, const(0), n8, const(LANES), [], vector_step)
+        n_vector = _columns(builder, DV, vcs, lanes)
+        loop(builder, const(0), n_vector, const(lanes), [], vector_step)
 
         def scalar_step(d, _):
             at = builder.mul(d, vcs)
@@ -240,7 +252,7 @@ def _axpy_codegen(n_rows: int, n_heads: int):
                 builder.store(update(builder.load(ptr, align=4), weights[h], v), ptr, align=4)
             return []
 
-        loop(builder, n8, DV, const(1), [], scalar_step)
+        loop(builder, n_vector, DV, const(1), [], scalar_step)
         return context.get_dummy_value()
 
     return codegen

@@ -1,4 +1,4 @@
-"""LLVM IR building blocks for intrinsics that work on explicit 8-wide float32 vectors.
+"""LLVM IR building blocks for intrinsics that work on explicit float32 vectors (8 lanes, or 16 where ``wide_lanes``).
 
 Numba's loops are vectorised by LLVM when it can prove they are safe and worth it; a loop that must hold
 vector accumulators across an outer loop, or that runs over a short row many times (paying LLVM's runtime
@@ -55,13 +55,21 @@ def _vector_ptr(builder, data, offset, vector_type):
 
 def load8(builder, dtype, data, offset):
     """Elements offset .. offset+7 of ``data`` (a pointer to ``dtype`` elements) widened to <8 x float>."""
+    return load_lanes(builder, dtype, data, offset, LANES)
+
+
+def load_lanes(builder, dtype, data, offset, lanes: int):
+    """Elements offset .. offset + lanes - 1 of ``data`` (a pointer to ``dtype`` elements) widened to a float
+    vector of ``lanes`` lanes."""
+    floats = ir.VectorType(ir.FloatType(), lanes)
     if dtype == types.float32:
-        return builder.load(_vector_ptr(builder, data, offset, V8), align=4)
-    bits = builder.load(_vector_ptr(builder, data, offset, _V8_I16), align=2)
+        return builder.load(_vector_ptr(builder, data, offset, floats), align=4)
+    i32s = ir.VectorType(I32, lanes)
+    bits = builder.load(_vector_ptr(builder, data, offset, ir.VectorType(I16, lanes)), align=2)
     if dtype == types.uint16:  # float16
-        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), V8)
-    wide = builder.shl(builder.zext(bits, _V8_I32), ir.Constant(_V8_I32, [16] * LANES))  # bfloat16
-    return builder.bitcast(wide, V8)
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), lanes)), floats)
+    wide = builder.shl(builder.zext(bits, i32s), ir.Constant(i32s, [16] * lanes))  # bfloat16
+    return builder.bitcast(wide, floats)
 
 
 def widen(builder, value, dtype):

@@ -60,9 +60,25 @@ def _rows(rng, n, width, stride, dtype):
     return kernel_view(flat), offsets, values
 
 
+_KERNELS_BY_LANES: dict = {}
+
+
+@pytest.fixture(params=[8, 16], ids=["8 lanes", "16 lanes"])
+def row_kernels(request, monkeypatch):
+    """The test kernels compiled afresh with the row code's vectors of 8 or 16 floats (``wide_lanes`` picks by
+    the machine: both are checked on every machine); one set of dispatchers per lane count, each compiling a
+    signature the first time a test calls it (with that lane count patched in)."""
+    monkeypatch.setattr(_attention_rows, "wide_lanes", lambda: request.param)
+    if request.param not in _KERNELS_BY_LANES:
+        _KERNELS_BY_LANES[request.param] = tuple(numba.njit(cache=False)(f.py_func)
+                                                 for f in (_all_dots, _all_updates, _updates_by_one_head))
+    return _KERNELS_BY_LANES[request.param]
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, BFLOAT16])
-@pytest.mark.parametrize("D,stride", [(128, 1), (13, 1), (7, 1), (24, 3)])
-def test_dot_products_match_float64_and_agree_bit_for_bit(dtype, D, stride):
+@pytest.mark.parametrize("D,stride", [(128, 1), (40, 1), (13, 1), (7, 1), (24, 3)])
+def test_dot_products_match_float64_and_agree_bit_for_bit(dtype, D, stride, row_kernels):
+    _all_dots, _, _ = row_kernels
     rng = np.random.default_rng(D + stride)
     qs = rng.standard_normal((4, D)).astype(np.float32)
     flat, offsets, k = _rows(rng, 2, D, stride, dtype)
@@ -73,8 +89,9 @@ def test_dot_products_match_float64_and_agree_bit_for_bit(dtype, D, stride):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, BFLOAT16])
-@pytest.mark.parametrize("D,stride", [(128, 1), (13, 1), (7, 1), (24, 3)])
-def test_row_updates_match_float64_and_single_rows_agree_bit_for_bit(dtype, D, stride):
+@pytest.mark.parametrize("D,stride", [(128, 1), (40, 1), (13, 1), (7, 1), (24, 3)])
+def test_row_updates_match_float64_and_single_rows_agree_bit_for_bit(dtype, D, stride, row_kernels):
+    _, _all_updates, _updates_by_one_head = row_kernels
     rng = np.random.default_rng(D * stride)
     p = rng.random((4, 32)).astype(np.float32)
     flat, offsets, v = _rows(rng, 4, D, stride, dtype)
@@ -87,14 +104,6 @@ def test_row_updates_match_float64_and_single_rows_agree_bit_for_bit(dtype, D, s
     one = start.copy()
     _updates_by_one_head(one, p, flat, offsets, stride)
     assert np.array_equal(one, A[2])
-
-
-@pytest.fixture(params=[8, 16], ids=["8 lanes", "16 lanes"])
-def quantized_kernels(request, monkeypatch):
-    """The test kernels compiled afresh with the quantized row code's vectors of 8 or 16 floats (``wide_lanes``
-    picks by the machine: both are checked on every machine)."""
-    monkeypatch.setattr(_attention_rows, "wide_lanes", lambda: request.param)
-    return tuple(numba.njit(cache=False)(f.py_func) for f in (_all_dots, _all_updates, _updates_by_one_head))
 
 
 def _quantized_rows(rng, n, width, qtype):
@@ -113,8 +122,8 @@ def _quantized_rows(rng, n, width, qtype):
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("D", [32, 128])
-def test_quantized_dot_products_match_float64_and_agree_bit_for_bit(qtype, D, quantized_kernels):
-    _all_dots, _, _ = quantized_kernels
+def test_quantized_dot_products_match_float64_and_agree_bit_for_bit(qtype, D, row_kernels):
+    _all_dots, _, _ = row_kernels
     rng = np.random.default_rng(D)
     qs = rng.standard_normal((4, D)).astype(np.float32)
     flat, offsets, k = _quantized_rows(rng, 2, D, qtype)
@@ -126,8 +135,8 @@ def test_quantized_dot_products_match_float64_and_agree_bit_for_bit(qtype, D, qu
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("D", [32, 128])
-def test_quantized_row_updates_match_float64_and_single_rows_agree_bit_for_bit(qtype, D, quantized_kernels):
-    _, _all_updates, _updates_by_one_head = quantized_kernels
+def test_quantized_row_updates_match_float64_and_single_rows_agree_bit_for_bit(qtype, D, row_kernels):
+    _, _all_updates, _updates_by_one_head = row_kernels
     rng = np.random.default_rng(D + 1)
     p = rng.random((4, 32)).astype(np.float32)
     flat, offsets, v = _quantized_rows(rng, 4, D, qtype)
@@ -144,11 +153,11 @@ def test_quantized_row_updates_match_float64_and_single_rows_agree_bit_for_bit(q
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
 def test_quantized_rows_with_an_infinite_scale_give_the_dequantized_values_infinities_and_nans(qtype,
-                                                                                              quantized_kernels):
+                                                                                              row_kernels):
     """A block whose float16 scale is inf: each product with its dequantized values (inf · q, NaN where q is 0)
     comes out as NumPy's float32 evaluation on them (a NaN where they hold one, the same infinities elsewhere),
     and the other row of a pair keeps its finite value."""
-    _all_dots, _all_updates, _ = quantized_kernels
+    _all_dots, _all_updates, _ = row_kernels
     rng = np.random.default_rng(7)
     D = 64
     # positive queries: a block's partial sums all have one sign, so d · (q · k) would be inf where the
