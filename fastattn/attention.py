@@ -13,8 +13,8 @@ computes the ALiBi slopes, allocates ``out`` when needed, and hands everything t
 - ``tiled`` (``_attention_tiled``): Q tiles x KV tiles, for prefill;
 - ``split_kv`` (``_attention_split_kv``): decode, KV chunks reduced in a fixed order (thread-count independent).
 
-``auto`` follows ggml, except that decode keeps one_chunk while there are enough KV heads to fill the threads
-(see ``choose_path`` and docs/attention.md for why).
+``auto`` follows ggml, except that decode keeps one_chunk on one thread and while its KV heads keep the threads
+evenly busy (see ``choose_path`` and docs/attention.md for why).
 
 Decode calls that run one_chunk without mask, sinks, ALiBi or softcap take the route ``attention.decode``
 (``_dispatch``): ``_attention_one_chunk.decode_fast``, checks in the kernel.
