@@ -38,11 +38,15 @@ def test_attention_takes_tensors_views_and_half_caches(ops):
 
 
 def test_bfloat16_tensors_are_read_as_ml_dtypes():
-    pytest.importorskip("ml_dtypes")
+    ml_dtypes = pytest.importorskip("ml_dtypes")
     q = _rand(1, 2, 1, 32)
     k = _rand(1, 1, 5, 32, seed=1).bfloat16()
-    expected = fastattn.flash_attn_ext(q.numpy(), k.float().numpy(), k.float().numpy(), scale=0.2)
-    assert np.array_equal(fastattn.flash_attn_ext(q, k, k, scale=0.2), expected)  # bfloat16 widens exactly
+    got = fastattn.flash_attn_ext(q, k, k, scale=0.2)
+    kb = k.view(torch.int16).numpy().view(ml_dtypes.bfloat16)  # the tensor's bytes as a NumPy bfloat16 array
+    assert np.array_equal(got, fastattn.flash_attn_ext(q.numpy(), kb, kb, scale=0.2))
+    # the values bfloat16 widens to exactly (float32 rows take other vector widths: equal within rounding)
+    widened = fastattn.flash_attn_ext(q.numpy(), k.float().numpy(), k.float().numpy(), scale=0.2)
+    np.testing.assert_allclose(got, widened, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("ops", OPS, ids=["fast", "reference"])
