@@ -14,6 +14,7 @@ Run: ``python -m pytest bench/bench_transformers.py --benchmark-columns=min,medi
 """
 from __future__ import annotations
 
+import inspect
 import time
 
 import numpy as np
@@ -30,6 +31,12 @@ IMPLEMENTATIONS = ["fastattn", "sdpa", "eager"]
 THREADS = 2
 ROUNDS = 15
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 4, 8, 2, 64
+
+
+#: The forward argument that takes the cache: ``cache`` in recent transformers, ``past_key_values`` before (a
+#: deprecated alias since).
+_CACHE_ARGUMENT = ("cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters
+                   else "past_key_values")
 
 
 def _model():
@@ -58,7 +65,7 @@ class Decoder:
     def step(self, implementation: str) -> None:
         self.model.set_attn_implementation(implementation)
         with torch.inference_mode():
-            self.model(input_ids=self.token, past_key_values=self.cache, use_cache=True,
+            self.model(input_ids=self.token, **{_CACHE_ARGUMENT: self.cache}, use_cache=True,
                        cache_position=torch.tensor([self.position]))
         self.position += 1
 
