@@ -209,7 +209,8 @@ def _rows_types(k_dtype: np.dtype, v_dtype: np.dtype, mask_dtype: np.dtype | Non
         return types.Tuple((types.Array(numpy_support.from_dtype(dtype), 1, "C"), types.int64, types.int64,
                             types.int64))
     # flat_mask's array: none without a mask, else optional (its two returns unified)
-    mf = types.none if mask_dtype is None else types.Optional(types.Array(numpy_support.from_dtype(mask_dtype), 1, "C"))
+    mf = types.none if mask_dtype is None else types.Optional(
+        types.Array(numpy_support.from_dtype(mask_dtype), 1, "C"))
     mask_at = types.Tuple((types.int64, types.int64, types.int64, types.int64,
                            types.none if per_head is None else types.boolean))
     return (_F32_BLOCK, rows(k_dtype), rows(v_dtype), mf, mask_at, _F32_ROW, types.int64, types.float32,

@@ -2,7 +2,7 @@
 
 Query heads go in blocks of 4 (the rest one by one). ``_dot4x2`` scores two K rows for 4 heads in one pass over
 the rows (8 sums); ``_axpy4x4`` adds four weighted V rows to 4 heads' accumulators, loading and storing each
-accumulator once per four rows (the per-row update is bound by its 256-bit stores).
+accumulator once per four rows (the per-row update is bound by its vector stores).
 
 They are intrinsics that emit their vector loops themselves (``_simd``): a vector of columns at a time (float16
 and bfloat16 rows: 16 where Numba's target has AVX-512, else 8; float32 rows: 8, ``_row_lanes``) with one float

@@ -6,11 +6,12 @@ the float32 values ``rope_ext`` makes, with the cos/sin row ``cs[n]``), and each
 into its blocks of the cache row ``idx[n]`` (``quant.quantize_row``: ggml's reference rounding). The bytes are
 those of ``rope_ext`` followed by ``set_rows`` into the same ``Quantized``, without the rotated rows ever being
 written out. Tokens are independent: above the threading rule's size, threads take tasks from a shared counter
-(``_kernel.fetch_add``); a loop below it. The parallel drivers call their thread's task loop by address
-(``_kernel.call_unit``), so its code is compiled once and not again inside each driver. With a prebuilt table (``apply_rope_cache_set_rows``) a task is
+(``_kernel.fetch_add``); a loop below it. With a prebuilt table (``apply_rope_cache_set_rows``) a task is
 TOKENS_PER_TASK tokens; otherwise (``rope_quantize_fused``) it is one CACHE_BLOCK of tokens whose cos/sin rows the
 thread makes in its own scratch first (``_rope_cache.cache_block``: the values ``rope_cache`` would store), as
 ``_rope_drivers.drive_fused`` does for float caches, so the table is not built serially before the threads start.
+The parallel drivers call their thread's task loop by address (``_kernel.call_unit``): linked into each driver,
+its code would be optimised and emitted again there.
 """
 from __future__ import annotations
 
