@@ -156,6 +156,25 @@ def test_mixed_kv_dtypes():
     check(q, k, v, make_mask(rng, "blocks", (QT + 3, KT + 9)).astype(np.float32), scale=0.2)
 
 
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("k_size", [2.0, 3.0])
+def test_one_dominant_key_over_many_tiles_within_the_rule(k_size, seed):
+    """An output that is one key's V row (values of size ~100) plus a little of each of the others, over 32 KV
+    tiles: the softmax denominator must not drift tile after tile (summed key by key, it did by ~5 ulp of the
+    output per tile, past the rule for (2.0, 1) and (3.0, 1))."""
+    rng = np.random.default_rng(seed)
+    D, n_kv = 32, 2048
+    q = rng.standard_normal((1, 1, 1, D)).astype(np.float32)
+    k = (rng.standard_normal((1, 1, n_kv, D)) * k_size).astype(np.float32)
+    scale = D ** -0.5
+    k[0, 0, 4] = q[0, 0, 0] * (15.0 / (scale * float(q[0, 0, 0] @ q[0, 0, 0])))  # logit 15, the others ~N(0, 4)
+    v = (rng.standard_normal((1, 1, n_kv, D)) * 30.0).astype(np.float32)
+    got = call_tiled(q, k, v, None, scale=scale)
+    expected = flash_attn_ext(q, k, v, None, scale=scale, out=np.empty(got.shape))
+    naive = naive_f32(q, k, v, None, scale=scale)
+    assert_within_rule(got, expected, naive, floor=FLOOR * float(np.abs(v).max()), what="tiled")
+
+
 def test_huge_logits_do_not_overflow():
     rng = np.random.default_rng(3)
     q = (np.round(rng.standard_normal((1, 2, 2 * QT, 32)) * 8) / 8).astype(np.float32)  # exact q·k: see
