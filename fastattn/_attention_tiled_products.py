@@ -2,9 +2,10 @@
 
 Both are C[6, 16] (+)= A[6, :k] B[:k, 16] with B row-major: ``_block_scores`` (a K tile times the Q tile
 transposed; the head dimension summed in runs of SCORE_CHUNK terms) and ``_block_values`` (probabilitiesᵀ times a
-V tile, with the output's rescale by alpha folded into the load of C). Each keeps the 6 x 16 block of C in twelve
-ymm registers for the whole k loop and issues twelve 8-wide FMAs per step against two B loads and six broadcasts,
-as sgemm kernels do. ``_values_skipping_zeros`` is ``_block_values`` without the zero weights, for V tiles holding
+V tile, with the output's rescale by alpha folded into the load of C). Each keeps the 6 x 16 block of C in
+registers for the whole k loop, as sgemm kernels do: twelve ymm registers and twelve 8-wide FMAs per step against
+two B loads and six broadcasts, or, where Numba's target has AVX-512 (``_simd.wide_lanes``), six zmm registers and
+six 16-wide FMAs against one B load. Each element of C takes the same FMAs in the same order either way. ``_values_skipping_zeros`` is ``_block_values`` without the zero weights, for V tiles holding
 inf or NaN.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from ._kernel import kernel
-from ._simd import V8, as_int64, const, fma, loop, splat
+from ._simd import as_int64, const, fma, loop, splat, wide_lanes
 
 #: The score product sums the head dimension in runs of this many terms, each in fresh accumulators, then adds
 #: the runs. One FMA chain over all of DK had up to 2.6x the max score error of NumPy's float32 matmul at D 576
@@ -23,7 +24,7 @@ from ._simd import V8, as_int64, const, fma, loop, splat
 #: Runs of 32 or 64 were more exact at D 128 but made prefill 2-5% slower.
 SCORE_CHUNK = 128
 
-BLOCK_ROWS = 6  # register block of the products: 6 rows x 16 columns = 12 ymm accumulators
+BLOCK_ROWS = 6  # register block of the products: 6 rows x 16 columns = 12 ymm or 6 zmm accumulators
 BLOCK_COLS = 16
 
 
@@ -50,31 +51,38 @@ def _block_codegen(a_transposed: bool, scaled_accumulate: bool, k_chunk: int = 0
                          for v, t in zip(llargs[n_arrays:], signature.args[n_arrays:]))
         a, b, c = arrs[:3]
         lda, ldb, ldc = (builder.extract_value(arr.shape, 1) for arr in (a, b, c))
-        v8p = V8.as_pointer()
+        # a row of the block in one 16-float vector or in two 8-float ones: the same FMAs for every element
+        lanes = wide_lanes()
+        parts = BLOCK_COLS // lanes
+        vector = ir.VectorType(ir.FloatType(), lanes)
+        vector_ptr = vector.as_pointer()
         rows = [builder.add(row0, const(r)) for r in range(BLOCK_ROWS)]
         if a_transposed:
             a_rows = [builder.gep(a.data, [r]) for r in rows]
         else:
             a_rows = [builder.gep(a.data, [builder.mul(r, lda)]) for r in rows]
         c_ptrs = [builder.bitcast(builder.gep(c.data, [builder.add(builder.mul(r, ldc),
-                                                                    builder.add(col0, const(8 * v)))]), v8p)
-                  for r in rows for v in range(2)]  # C[r, 8v : 8v+8] at 2r + v
+                                                                    builder.add(col0, const(lanes * v)))]), vector_ptr)
+                  for r in rows for v in range(parts)]  # C[r, lanes v : lanes (v + 1)] at parts r + v
+        zero = ir.Constant(vector, [0.0] * lanes)
         if scaled_accumulate:
             start = []
             for r in range(BLOCK_ROWS):
-                scale = splat(builder, builder.load(builder.gep(arrs[3].data, [rows[r]]), align=4))
-                start.extend(builder.fmul(builder.load(p, align=4), scale) for p in c_ptrs[2 * r:2 * r + 2])
+                scale = splat(builder, builder.load(builder.gep(arrs[3].data, [rows[r]]), align=4), lanes)
+                start.extend(builder.fmul(builder.load(p, align=4), scale)
+                             for p in c_ptrs[parts * r:parts * r + parts])
         else:
-            start = [ir.Constant(V8, [0.0] * 8)] * (2 * BLOCK_ROWS)
+            start = [zero] * (parts * BLOCK_ROWS)
 
         def step(kk, acc):
             b_row = builder.gep(b.data, [builder.add(builder.mul(kk, ldb), col0)])
-            bv = [builder.load(builder.bitcast(builder.gep(b_row, [const(8 * v)]), v8p), align=4) for v in range(2)]
+            bv = [builder.load(builder.bitcast(builder.gep(b_row, [const(lanes * v)]), vector_ptr), align=4)
+                  for v in range(parts)]
             a_offset = builder.mul(kk, lda) if a_transposed else kk
             out = []
             for r in range(BLOCK_ROWS):
-                x = splat(builder, builder.load(builder.gep(a_rows[r], [a_offset]), align=4))
-                out.extend(fma(builder, x, bv[v], acc[2 * r + v]) for v in range(2))
+                x = splat(builder, builder.load(builder.gep(a_rows[r], [a_offset]), align=4), lanes)
+                out.extend(fma(builder, x, bv[v], acc[parts * r + v]) for v in range(parts))
             return out
 
         if k_chunk:
@@ -86,7 +94,7 @@ def _block_codegen(a_transposed: bool, scaled_accumulate: bool, k_chunk: int = 0
             def chunk(k0, totals):
                 k1 = builder.add(k0, const(k_chunk))
                 k1 = builder.select(builder.icmp_signed("<", k1, k), k1, k)
-                partial = loop(builder, k0, k1, const(1), [ir.Constant(V8, [0.0] * 8)] * len(totals), step)
+                partial = loop(builder, k0, k1, const(1), [zero] * len(totals), step)
                 return [builder.fadd(t, x) for t, x in zip(totals, partial)]
 
             result = loop(builder, first, k, const(k_chunk), result, chunk)

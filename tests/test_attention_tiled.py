@@ -277,14 +277,37 @@ def test_scores_at_huge_logits_within_the_rule(D):
         assert err <= 2 * naive_err, f"seed {seed}: error {err:.3g} > 2 x float32 matmul's {naive_err:.3g}"
 
 
-def test_block_products_compile_to_ymm_fmas():
-    def products(ks, qt, st_, vs, o, alpha):
-        tiled._block_scores(ks, qt, st_, 0, 0, ks.shape[1])
-        tiled._block_values(st_, vs, o, alpha, 0, 0, st_.shape[0])
+def _products(ks, qt, st_, vs, o, alpha):
+    tiled._block_scores(ks, qt, st_, 0, 0, ks.shape[1])
+    tiled._block_values(st_, vs, o, alpha, 0, 0, st_.shape[0])
 
-    uncached = numba.njit(**dict(KERNEL_OPTIONS, cache=False))(products)  # cached code cannot be inspected
+
+def _products_with_lanes(monkeypatch, lanes):
+    """``_products`` compiled afresh (uncached: its assembly can be inspected) with rows of ``lanes`` floats."""
+    from fastattn import _attention_tiled_products
+    monkeypatch.setattr(_attention_tiled_products, "wide_lanes", lambda: lanes)
+    return numba.njit(**dict(KERNEL_OPTIONS, cache=False))(_products)
+
+
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_block_products_compile_to_vector_fmas(monkeypatch, lanes):
+    uncached = _products_with_lanes(monkeypatch, lanes)
     z = np.zeros
     uncached(z((6, 8), np.float32), z((8, 16), np.float32), z((6, 16), np.float32), z((6, 16), np.float32),
              z((6, 16), np.float32), z(6, np.float32))
     asm = uncached.inspect_asm(uncached.signatures[0])
-    assert len(re.findall(r"vfmadd\w*ps\s+.*ymm", asm)) >= 24, "the 6 x 16 blocks did not compile to ymm FMAs"
+    ymm, zmm = (len(re.findall(rf"vfmadd\w*ps\s+.*{reg}", asm)) for reg in ("ymm", "zmm"))
+    assert ymm >= 24 or (lanes == 16 and zmm >= 12), "the 6 x 16 blocks did not compile to vector FMAs"
+
+
+def test_block_products_give_the_same_bits_in_8_and_16_float_vectors(monkeypatch):
+    rng = np.random.default_rng(0)
+    ks, qt = rng.standard_normal((6, 200)).astype(np.float32), rng.standard_normal((200, 16)).astype(np.float32)
+    vs, alpha = rng.standard_normal((6, 16)).astype(np.float32), rng.random(6).astype(np.float32)
+    start = rng.standard_normal((6, 16)).astype(np.float32)
+    results = []
+    for lanes in (8, 16):
+        st_, o = np.zeros((6, 16), np.float32), start.copy()
+        _products_with_lanes(monkeypatch, lanes)(ks, qt, st_, vs, o, alpha)
+        results.append((st_, o))
+    assert np.array_equal(results[0][0], results[1][0]) and np.array_equal(results[0][1], results[1][1])
