@@ -5,8 +5,8 @@ transposed; the head dimension summed in runs of SCORE_CHUNK terms) and ``_block
 V tile, with the output's rescale by alpha folded into the load of C). Each keeps the 6 x 16 block of C in
 registers for the whole k loop, as sgemm kernels do: twelve ymm registers and twelve 8-wide FMAs per step against
 two B loads and six broadcasts, or, where Numba's target has AVX-512 (``_simd.wide_lanes``), six zmm registers and
-six 16-wide FMAs against one B load. Each element of C takes the same FMAs in the same order either way. ``_values_skipping_zeros`` is ``_block_values`` without the zero weights, for V tiles holding
-inf or NaN.
+six 16-wide FMAs against one B load. Each element of C takes the same FMAs in the same order either way.
+``_values_skipping_zeros`` is ``_block_values`` without the zero weights, for V tiles holding inf or NaN.
 """
 from __future__ import annotations
 
