@@ -114,7 +114,8 @@ kernels = []
 class Collect(logging.Handler):
     def emit(self, record):
         if getattr(record, "fastattn_compile", None) == "end":
-            kernels.append((record.fastattn_kernel, round(record.fastattn_seconds, 2)))
+            helper = " in a helper process" if getattr(record, "fastattn_helper", False) else ""
+            kernels.append((record.fastattn_kernel + helper, round(record.fastattn_seconds, 2)))
 logging.getLogger("fastattn").addHandler(Collect())
 {setup}
 with fastattn.num_threads({threads}):

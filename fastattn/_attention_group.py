@@ -228,7 +228,8 @@ def group_rows_handle(k_dtype: np.dtype, v_dtype: np.dtype, mask_dtype: np.dtype
     handle = _handles.get(key)
     if handle is None:
         arg_types = _rows_types(k_dtype, v_dtype, mask_dtype, per_head) + (types.boolean,)
-        handle = _handles[key] = unit_address(group_rows, arg_types)
+        # its callers compile a unit and drivers next: a helper process may compile group_rows meanwhile
+        handle = _handles[key] = unit_address(group_rows, arg_types, helper=True)
     return handle
 
 

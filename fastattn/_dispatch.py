@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 from typing import Callable, Iterator
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -44,7 +44,8 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 from numba.np import numpy_support
 
-from ._kernel import _HALF_VIEW, check_unit, kernel
+from . import _helper_compile
+from ._kernel import _HALF_VIEW, HANDLE_TYPE, check_unit, kernel, settle_units
 
 
 def array_type(dtype: np.dtype, ndim: int) -> types.Array:
@@ -103,8 +104,16 @@ class Route:
                     arg_types = self.arg_types(*key)
                     handles = ()
                     if self.unit is not None:
+                        # the kernel's leading parameters are the handles (int64 arrays): typed before the units
+                        # compile, so that a helper process may compile the kernel meanwhile
+                        n_units = len(inspect.signature(self.kernel.py_func).parameters) - len(arg_types)
+                        arg_types = (HANDLE_TYPE,) * n_units + arg_types
+                        _helper_compile.defer(self.kernel, arg_types)
                         handles = self.handles[key] = self.unit(*key)
-                        arg_types = tuple(numba.typeof(h) for h in handles) + arg_types
+                        settle_units()
+                        if len(handles) != n_units:
+                            raise RuntimeError(f"fastattn internal error: route {self.name} made {len(handles)} "
+                                               f"handles for {n_units} handle parameters")
                     self.kernel.compile(arg_types)
                     entry = self.kernel.overloads[arg_types].entry_point
                     if handles:

@@ -29,7 +29,7 @@ from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 
 from . import _notices  # noqa: F401  (installs the compile notices: one stderr line per first-use compile)
-from . import _validate
+from . import _helper_compile, _validate
 from ._simd import KERNEL_DTYPES, prefetch_line, widen
 
 FASTMATH = frozenset({"contract", "arcp", "reassoc", "nsz", "afn"})
@@ -352,13 +352,17 @@ def call_any_layout(dispatcher, strided, *args, unit=None):
         handle = None
         if unit is not None:
             unit_kernel, shared, extra = unit
-            handle = unit_address(unit_kernel, tuple(signature[i] for i in shared) + tuple(extra))
-            signature = (typeof(handle),) + signature
-        dispatcher.compile(signature)
+            unit_types = tuple(signature[i] for i in shared) + tuple(extra)
+            signature = (HANDLE_TYPE,) + signature
+            compile_beside(dispatcher, signature, [(unit_kernel, unit_types)])
+            handle = unit_address(unit_kernel, unit_types)
+        else:
+            dispatcher.compile(signature)
         cached = _any_layout_entries[key] = (dispatcher.overloads[signature].entry_point, handle)
     entry, handle = cached
     if handle is None:
         return entry(*args)
+    settle_units()  # a driver may take other handles too (group_rows'): filled before it runs
     result = entry(handle, *args)
     check_unit(handle)
     return result
@@ -396,20 +400,63 @@ def _signature_tag(arg_types) -> int:
 _unit_addresses: dict = {}
 
 
-def unit_address(dispatcher, arg_types: tuple) -> np.ndarray:
+def unit_address(dispatcher, arg_types: tuple, helper: bool = False) -> np.ndarray:
     """``[address, tag, mismatch flag]`` (int64) of ``dispatcher`` compiled (or loaded from Numba's cache) for
-    ``arg_types``, for a driver to hand to ``call_unit``. Computed once per (kernel, signature)."""
+    ``arg_types``, for a driver to hand to ``call_unit``. Computed once per (kernel, signature).
+
+    ``helper``: the caller compiles more after this unit (another unit and the drivers), so a unit missing from
+    the cache may be compiled by a helper process meanwhile (``_helper_compile``); its handle is then filled by
+    ``settle_units``, which ``call_any_layout`` and the routes call before running anything. Until then its tag
+    matches no call: ``call_unit`` runs nothing and ``check_unit`` raises."""
     key = (dispatcher, arg_types)
     handle = _unit_addresses.get(key)
     if handle is None:
-        dispatcher.compile(arg_types)
-        result = dispatcher.overloads[arg_types]
-        if result.signature.return_type != types.none:  # call_unit's calling convention returns nothing
-            raise TypeError(f"a unit kernel must return nothing; {dispatcher.__name__} returns "
-                            f"{result.signature.return_type}")
-        address = result.library.get_pointer_to_function(result.fndesc.llvm_func_name)
-        handle = _unit_addresses[key] = np.array([address, _signature_tag(arg_types), 0], np.int64)
+        handle = np.array([0, _NOT_READY, 0], np.int64)
+        if not (helper and _helper_compile.defer(dispatcher, arg_types,
+                                                 lambda: _fill_handle(dispatcher, arg_types, handle))):
+            _fill_handle(dispatcher, arg_types, handle)
+        _unit_addresses[key] = handle
     return handle
+
+
+#: A handle's tag until its unit is compiled: ``_signature_tag`` is never negative.
+_NOT_READY = -1
+#: The Numba type of a handle.
+HANDLE_TYPE = types.Array(types.int64, 1, "C")
+
+
+def _fill_handle(dispatcher, arg_types: tuple, handle: np.ndarray) -> None:
+    """Compile ``dispatcher`` for ``arg_types`` (or load it from the cache) and write its address and tag."""
+    dispatcher.compile(arg_types)
+    result = dispatcher.overloads[arg_types]
+    if result.signature.return_type != types.none:  # call_unit's calling convention returns nothing
+        raise TypeError(f"a unit kernel must return nothing; {dispatcher.__name__} returns "
+                        f"{result.signature.return_type}")
+    handle[0] = result.library.get_pointer_to_function(result.fndesc.llvm_func_name)
+    handle[1] = _signature_tag(arg_types)
+
+
+def settle_units() -> None:
+    """Wait for the helper processes compiling kernels (``_helper_compile``) and fill the handles of the units
+    among them. Every caller of ``unit_address(..., helper=True)`` calls it before running anything."""
+    if _helper_compile.pending():
+        _helper_compile.settle()
+
+
+def unit_cold(dispatcher, arg_types: tuple) -> bool:
+    """Whether a unit's first use here compiles it: not compiled or loaded in this process, not in the cache."""
+    return (dispatcher, arg_types) not in _unit_addresses and _helper_compile.in_cache(dispatcher, arg_types) is False
+
+
+def compile_beside(dispatcher, arg_types: tuple, units) -> None:
+    """Compile ``dispatcher`` for ``arg_types`` and the ``units`` ((kernel, types) pairs) for ``unit_address``: when
+    a unit compiles here, a helper process compiles ``dispatcher`` meanwhile (``_helper_compile``)."""
+    if any(unit_cold(*unit) for unit in units):
+        _helper_compile.defer(dispatcher, arg_types)
+    for unit in units:
+        unit_address(*unit)
+    settle_units()
+    dispatcher.compile(arg_types)
 
 
 def check_unit(handle: np.ndarray) -> None:

@@ -19,7 +19,7 @@ them::
 
 Records carry ``fastattn_compile`` ("start" or "end"), ``fastattn_kernel`` (e.g. "rope kernel
 _rope_ext_prefill") and, on "end", ``fastattn_seconds``, for programs that show progress their own way (the
-main job does).
+main job does); a kernel compiled by a helper process (``_helper_compile``) adds ``fastattn_helper`` (True).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class _StderrHandler(logging.Handler):
 _fallback = _StderrHandler(logging.INFO)
 
 
-def _emit(message: str, **fields) -> None:
+def emit(message: str, **fields) -> None:
     if not LOGGER.isEnabledFor(logging.INFO):
         return
     record = LOGGER.makeRecord(LOGGER.name, logging.INFO, __file__, 0, message, (), None,
@@ -68,7 +68,12 @@ def describe(dispatcher, args: tuple = ()) -> str:
     func = dispatcher.py_func
     group = func.__module__.removeprefix("fastattn.").lstrip("_")
     dtypes = []
-    for arg in args:
+    todo = list(args)
+    while todo:
+        arg = todo.pop(0)
+        if hasattr(arg, "types") and not hasattr(arg, "dtype"):  # a tuple of arguments: its arrays in order
+            todo[:0] = arg.types
+            continue
         name = _STORAGE_NAMES.get(str(getattr(arg, "dtype", "")))
         if name is not None and name not in dtypes:
             dtypes.append(name)
@@ -106,7 +111,7 @@ class CompileNotices(event.Listener):
         stack.append((announce, name, time.perf_counter()))
         if announce:
             where = "cached on disk afterwards" if _cached(dispatcher) else "not cached"
-            _emit(f"fastattn: compiling {name} (first use; {where}) ...", compile="start", kernel=name)
+            emit(f"fastattn: compiling {name} (first use; {where}) ...", compile="start", kernel=name)
 
     def on_end(self, ev: event.Event) -> None:
         stack = self._stack()
@@ -116,7 +121,7 @@ class CompileNotices(event.Listener):
         # Event.is_failed is inverted in Numba (True when no exception); read the exception details directly.
         if announce and getattr(ev, "_exc_details", None) is None:
             seconds = time.perf_counter() - start
-            _emit(f"fastattn: compiled {name} in {seconds:.1f} s", compile="end", kernel=name, seconds=seconds)
+            emit(f"fastattn: compiled {name} in {seconds:.1f} s", compile="end", kernel=name, seconds=seconds)
 
 
 _listener: CompileNotices | None = None

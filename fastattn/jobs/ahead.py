@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import os
 import queue as queue_module
 import time
 from dataclasses import dataclass
 
+from .. import _helper_compile
 from .progress import Progress, elapsed
 
 #: Op groups in the order their tasks are handed out: the slowest to compile first, so no worker is left with a
@@ -41,6 +43,7 @@ _reports = None  # per worker process: the queue its finished cases go to (set b
 def _set_queue(reports) -> None:
     global _reports
     _reports = reports
+    os.environ[_helper_compile.ENV] = "0"  # the workers keep every core compiling: no helper processes of their own
 
 
 def tasks(cases) -> list[tuple[str, list[int]]]:

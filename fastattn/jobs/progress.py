@@ -36,7 +36,7 @@ class CompileWatch(logging.Handler):
         kind = getattr(record, "fastattn_compile", None)
         if kind == "start":
             self.started += 1
-        elif kind == "end":
+        elif kind == "end" and not getattr(record, "fastattn_helper", False):  # a helper's overlaps this process's
             self.seconds += getattr(record, "fastattn_seconds", 0.0)
         if kind is not None and self.progress is not None:
             self.progress.compiling(kind, getattr(record, "fastattn_kernel", ""),
