@@ -2,12 +2,15 @@
 
     python bench/compile_times.py                      # every case, 2 threads, a markdown table on stdout
     python bench/compile_times.py --threads 1 --only attention
+    python bench/compile_times.py --only combinations --without-helpers
 
 Each case is one public call on inputs of a layer of the main job's model (32 query heads, 8 KV heads, head
-size 128). It runs twice, each time in a fresh Python process: first with an empty ``NUMBA_CACHE_DIR`` of its own
+size 128); the "combinations" group adds other dtype combinations, layouts, modes and options. It runs twice, each time in a fresh Python process: first with an empty ``NUMBA_CACHE_DIR`` of its own
 (everything the call needs is compiled: the "cold" figure the first-use budget bounds at 10 s), then again
 with that cache filled (the "warm" figure: loading the machine code, bounded at 0.5 s). The process reports
-the call's wall and CPU seconds and the kernels fastattn's compile notices named, with their seconds.
+the call's wall and CPU seconds and the kernels fastattn's compile notices named, with their seconds (a kernel
+a helper process compiled meanwhile is marked; its seconds run from its start until the call took it up).
+``--without-helpers`` adds the cold call with helper processes off (``FASTATTN_COMPILE_HELPERS=0``).
 Imports (NumPy, Numba, fastattn) are not counted. The first row times Numba's own start-up alone (its
 registries, loaded at a process's first Numba call, whatever the op): the warm figures of the cases that call no
 kernel while building their inputs include it. The table goes in docs/benchmarks.md.
@@ -21,6 +24,15 @@ import subprocess
 import sys
 import tempfile
 import time
+
+#: Setup shared by the "combinations" cases: bfloat16 and a K/V maker for any storage type.
+_COMBINATION = """
+import ml_dtypes
+bf = ml_dtypes.bfloat16
+def _kv(shape, dtype):
+    a = rng.standard_normal(shape).astype(np.float32)
+    return fastattn.quantize(a, dtype) if dtype in ("q8_0", "q4_0") else a.astype(dtype)
+"""
 
 #: name -> (op group, setup code defining ``call``). Shapes: one layer of the main job's model.
 CASES = {
@@ -103,6 +115,91 @@ q = rng.standard_normal((1, 32, 512, 128)).astype(np.float32)
 k = fastattn.quantize(rng.standard_normal((1, 8, 512, 128)).astype(np.float32), "q8_0"); v = k
 mask = np.triu(np.full((512, 512), -np.inf, np.float32), 1).astype(np.float16)
 call = lambda: fastattn.flash_attn_ext(q, k, v, mask, scale=128 ** -0.5)"""),
+    # other dtype combinations, layouts, modes and options: the first-use budget covers any combination
+    "flash_attn_ext decode Nkv 512 K f32, V f16": ("combinations", _COMBINATION + """
+q = rng.standard_normal((1, 32, 1, 128)).astype(np.float32)
+k = _kv((1,8,512,128), np.float32); v = _kv((1,8,512,128), np.float16)
+call = lambda: fastattn.flash_attn_ext(q, k, v, scale=0.08)"""),
+    "flash_attn_ext decode Nkv 512 K q8_0, V f16": ("combinations", _COMBINATION + """
+q = rng.standard_normal((1, 32, 1, 128)).astype(np.float32)
+k = _kv((1,8,512,128), "q8_0"); v = _kv((1,8,512,128), np.float16)
+call = lambda: fastattn.flash_attn_ext(q, k, v, scale=0.08)"""),
+    "flash_attn_ext split_kv Nkv 4096 q4_0 K/V, f32 mask": ("combinations", _COMBINATION + """
+q = rng.standard_normal((1, 32, 1, 128)).astype(np.float32)
+k = _kv((1,8,4096,128), "q4_0"); v = k; m = np.zeros((1,4096), np.float32)
+call = lambda: fastattn.flash_attn_ext(q, k, v, m, scale=0.08, path="split_kv")"""),
+    "flash_attn_ext decode Nkv 2048 bf16 K/V, f16 mask, ALiBi, softcap, sinks": ("combinations", _COMBINATION + """
+q = rng.standard_normal((1, 32, 1, 128)).astype(np.float32)
+k = _kv((1,8,2048,128), bf); v = k; m = np.zeros((1,2048), np.float16)
+call = lambda: fastattn.flash_attn_ext(q, k, v, m, scale=0.08, max_bias=8.0, logit_softcap=30.0, sinks=np.zeros(32, np.float32))"""),
+    "flash_attn_ext prefill 256 causal bf16 K/V": ("combinations", _COMBINATION + """
+q = rng.standard_normal((1, 32, 256, 128)).astype(np.float32)
+k = _kv((1,8,256,128), bf); v = k
+m = np.triu(np.full((256, 256), -np.inf, np.float32), 1).astype(np.float16)
+call = lambda: fastattn.flash_attn_ext(q, k, v, m, scale=0.08)"""),
+    "flash_attn_ext prefill 128 f32 K/V, per-head f32 mask, softcap, DK 64 DV 32": ("combinations", _COMBINATION + """
+q = rng.standard_normal((2, 8, 128, 64)).astype(np.float32)
+k = _kv((2,2,128,64), np.float32); v = _kv((2,2,128,32), np.float32)
+m = np.zeros((2, 8, 128, 128), np.float32)
+call = lambda: fastattn.flash_attn_ext(q, k, v, m, scale=0.1, logit_softcap=20.0)"""),
+    "flash_attn_ext one_chunk 64 rows, K f16, V q4_0, f16 mask": ("combinations", _COMBINATION + """
+q = rng.standard_normal((1, 8, 64, 64)).astype(np.float32)
+k = _kv((1,2,256,64), np.float16); v = _kv((1,2,256,64), "q4_0")
+m = np.zeros((64, 256), np.float16)
+call = lambda: fastattn.flash_attn_ext(q, k, v, m, scale=0.1, path="one_chunk")"""),
+    "flash_attn_ext prefill 256 causal q4_0 K/V": ("combinations", _COMBINATION + """
+q = rng.standard_normal((1, 32, 256, 128)).astype(np.float32)
+k = _kv((1,8,256,128), "q4_0"); v = k
+m = np.triu(np.full((256, 256), -np.inf, np.float32), 1).astype(np.float16)
+call = lambda: fastattn.flash_attn_ext(q, k, v, m, scale=0.08)"""),
+    "flash_attn_ext decode Nkv 2048 f16 K/V, token-major cache view": ("combinations", _COMBINATION + """
+q = rng.standard_normal((1, 32, 1, 128)).astype(np.float32)
+c = _kv((1,2048,8,128), np.float16); k = c.transpose(0,2,1,3); v = k
+call = lambda: fastattn.flash_attn_ext(q, k, v, scale=0.08)"""),
+    "rope_ext (64, 16, 128) f16 MROPE": ("combinations", _COMBINATION + """
+x = rng.standard_normal((64, 16, 128)).astype(np.float16); pos = np.tile(np.arange(64, dtype=np.int32), (4, 1))
+call = lambda: fastattn.rope_ext(x, pos, n_dims=128, mode=fastattn.ROPE_MROPE, sections=[16, 24, 24, 0])"""),
+    "rope_ext (64, 16, 128) f32 VISION": ("combinations", _COMBINATION + """
+x = rng.standard_normal((64, 16, 128)).astype(np.float32); pos = np.tile(np.arange(64, dtype=np.int32), (4, 1))
+call = lambda: fastattn.rope_ext(x, pos, n_dims=64, mode=fastattn.ROPE_VISION, sections=[32, 32, 0, 0])"""),
+    "rope_ext (512, 32, 128) f32 NORMAL, freq_factors, in place on a QKV view": ("combinations", _COMBINATION + """
+qkv = rng.standard_normal((512, 48, 128)).astype(np.float32); x = qkv[:, :32]; pos = np.arange(512, dtype=np.int32)
+ff = np.ones(64, np.float32)
+call = lambda: fastattn.rope_ext(x, pos, n_dims=128, mode=fastattn.ROPE_NORMAL, freq_factors=ff, out=x)"""),
+    "rope_set_rows (512, 8, 128) f16 -> bf16 cache": ("combinations", _COMBINATION + """
+x = rng.standard_normal((512, 8, 128)).astype(np.float16); pos = np.arange(512, dtype=np.int32)
+kv = np.zeros((4096, 8, 128), bf); idx = np.arange(512, dtype=np.int64)
+call = lambda: fastattn.rope_set_rows(kv, x, pos, idx, n_dims=128, mode=fastattn.ROPE_NEOX)"""),
+    "rope_set_rows (512, 8, 128) f16 -> q4_0 cache": ("combinations", _COMBINATION + """
+x = rng.standard_normal((512, 8, 128)).astype(np.float16); pos = np.arange(512, dtype=np.int32)
+kv = fastattn.quantize(np.zeros((4096, 8, 128), np.float32), "q4_0"); idx = np.arange(512, dtype=np.int64)
+call = lambda: fastattn.rope_set_rows(kv, x, pos, idx, n_dims=128, mode=fastattn.ROPE_NORMAL)"""),
+    "rope_set_rows (1, 8, 128) f32 -> f32 cache": ("combinations", _COMBINATION + """
+x = rng.standard_normal((1, 8, 128)).astype(np.float32); pos = np.arange(1, dtype=np.int32)
+kv = np.zeros((4096, 8, 128), np.float32); idx = np.arange(1, dtype=np.int64)
+call = lambda: fastattn.rope_set_rows(kv, x, pos, idx, n_dims=128, mode=fastattn.ROPE_NEOX)"""),
+    "apply_rope_cache_set_rows (512, 8, 128) f32 -> f16 cache": ("combinations", _COMBINATION + """
+x = rng.standard_normal((512, 8, 128)).astype(np.float32)
+cache = fastattn.rope_cache(np.arange(512, dtype=np.int32), n_dims=128, mode=fastattn.ROPE_NEOX)
+kv = np.zeros((4096, 8, 128), np.float16); idx = np.arange(512, dtype=np.int64)
+call = lambda: fastattn.apply_rope_cache_set_rows(kv, x, cache, idx)"""),
+    "rms_norm (512, 4096) bf16": ("combinations", _COMBINATION + """
+x = rng.standard_normal((512, 4096)).astype(bf)
+call = lambda: fastattn.rms_norm(x, 1e-5)"""),
+    "add_rms_norm_mul (1, 4096) bf16": ("combinations", _COMBINATION + """
+x = rng.standard_normal((1, 4096)).astype(bf); r = x.copy(); w = np.ones(4096, np.float32)
+call = lambda: fastattn.add_rms_norm_mul(x, r, w, 1e-5)"""),
+    "set_rows (512, 1024) bf16 -> f32 cache": ("combinations", _COMBINATION + """
+cache = np.zeros((4096, 1024), np.float32); src = rng.standard_normal((512, 1024)).astype(bf)
+idx = np.arange(512, dtype=np.int64)
+call = lambda: fastattn.set_rows(cache, src, idx)"""),
+    "set_rows (512, 1024) f16 -> q4_0 cache": ("combinations", _COMBINATION + """
+cache = fastattn.quantize(np.zeros((4096, 1024), np.float32), "q4_0"); src = rng.standard_normal((512, 1024)).astype(np.float16)
+idx = np.arange(512, dtype=np.int64)
+call = lambda: fastattn.set_rows(cache, src, idx)"""),
+    "quantize (4096, 1024) f16 -> q4_0, then dequantize": ("combinations", _COMBINATION + """
+x = rng.standard_normal((4096, 1024)).astype(np.float16)
+call = lambda: fastattn.dequantize(fastattn.quantize(x, "q4_0"))"""),
 }
 
 _CHILD = """
@@ -126,8 +223,8 @@ print(json.dumps(dict(wall=wall, cpu=cpu, kernels=kernels)))
 """
 
 
-def run_case(setup: str, threads: int, cache_dir: str) -> dict:
-    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
+def run_case(setup: str, threads: int, cache_dir: str, helpers: bool = True) -> dict:
+    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir, FASTATTN_COMPILE_HELPERS="1" if helpers else "0")
     code = _CHILD.format(setup=setup, threads=threads)
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
@@ -139,11 +236,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2, help="Numba threads for the call (default 2)")
     parser.add_argument("--only", default="", help="op groups to run, comma-separated: startup, norm, set_rows, "
-                                                   "rope, attention, quantized (default: all)")
+                                                   "rope, attention, quantized, combinations (default: all)")
+    parser.add_argument("--without-helpers", action="store_true",
+                        help="also time each cold call with FASTATTN_COMPILE_HELPERS=0, right after (a column)")
     args = parser.parse_args()
     groups = {g for g in args.only.split(",") if g}
-    print(f"| first call ({args.threads} threads) | cold wall s | cold CPU s | kernels compiled (s) | warm wall s |")
-    print("| --- | --- | --- | --- | --- |")
+    without = " | cold wall s, no helpers" if args.without_helpers else ""
+    print(f"| first call ({args.threads} threads) | cold wall s | cold CPU s{without} | kernels compiled (s) "
+          f"| warm wall s |")
+    print("| --- | --- | --- |" + (" --- |" if without else "") + " --- | --- |")
     started = time.perf_counter()
     for name, (group, setup) in CASES.items():
         if groups and group not in groups:
@@ -154,9 +255,13 @@ def main() -> None:
                 print(f"| {name} | {cold['error']} | | | |", flush=True)
                 continue
             warm = run_case(setup, args.threads, cache_dir)
+        alone = ""
+        if args.without_helpers:
+            with tempfile.TemporaryDirectory(prefix="fastattn-compile-") as cache_dir:
+                alone = f" | {run_case(setup, args.threads, cache_dir, helpers=False).get('wall', float('nan')):.1f}"
         kernels = ", ".join(f"{kernel} ({seconds})" for kernel, seconds in cold["kernels"])
-        print(f"| {name} | {cold['wall']:.1f} | {cold['cpu']:.1f} | {kernels} | {warm.get('wall', float('nan')):.2f} |",
-              flush=True)
+        print(f"| {name} | {cold['wall']:.1f} | {cold['cpu']:.1f}{alone} | {kernels} "
+              f"| {warm.get('wall', float('nan')):.2f} |", flush=True)
     print(f"\n{time.perf_counter() - started:.0f} s in all", file=sys.stderr)
 
 
