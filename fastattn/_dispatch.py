@@ -44,8 +44,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 from numba.np import numpy_support
 
-from . import _helper_compile
-from ._kernel import _HALF_VIEW, HANDLE_TYPE, check_unit, kernel, settle_units
+from ._kernel import _HALF_VIEW, HANDLE_TYPE, check_unit, compile_beside, kernel
 
 
 def array_type(dtype: np.dtype, ndim: int) -> types.Array:
@@ -108,13 +107,12 @@ class Route:
                         # compile, so that a helper process may compile the kernel meanwhile
                         n_units = len(inspect.signature(self.kernel.py_func).parameters) - len(arg_types)
                         arg_types = (HANDLE_TYPE,) * n_units + arg_types
-                        _helper_compile.defer(self.kernel, arg_types)
-                        handles = self.handles[key] = self.unit(*key)
-                        settle_units()
+                        handles = self.handles[key] = compile_beside(self.kernel, arg_types, lambda: self.unit(*key))
                         if len(handles) != n_units:
                             raise RuntimeError(f"fastattn internal error: route {self.name} made {len(handles)} "
                                                f"handles for {n_units} handle parameters")
-                    self.kernel.compile(arg_types)
+                    else:
+                        self.kernel.compile(arg_types)
                     entry = self.kernel.overloads[arg_types].entry_point
                     if handles:
                         entry = functools.partial(entry, *handles)

@@ -354,8 +354,8 @@ def call_any_layout(dispatcher, strided, *args, unit=None):
             unit_kernel, shared, extra = unit
             unit_types = tuple(signature[i] for i in shared) + tuple(extra)
             signature = (HANDLE_TYPE,) + signature
-            compile_beside(dispatcher, signature, [(unit_kernel, unit_types)])
-            handle = unit_address(unit_kernel, unit_types)
+            (handle,) = compile_beside(dispatcher, signature, lambda: (unit_address(unit_kernel, unit_types),),
+                                       unit_cold(unit_kernel, unit_types))
         else:
             dispatcher.compile(signature)
         cached = _any_layout_entries[key] = (dispatcher.overloads[signature].entry_point, handle)
@@ -448,15 +448,17 @@ def unit_cold(dispatcher, arg_types: tuple) -> bool:
     return (dispatcher, arg_types) not in _unit_addresses and _helper_compile.in_cache(dispatcher, arg_types) is False
 
 
-def compile_beside(dispatcher, arg_types: tuple, units) -> None:
-    """Compile ``dispatcher`` for ``arg_types`` and the ``units`` ((kernel, types) pairs) for ``unit_address``: when
-    a unit compiles here, a helper process compiles ``dispatcher`` meanwhile (``_helper_compile``)."""
-    if any(unit_cold(*unit) for unit in units):
+def compile_beside(dispatcher, arg_types: tuple, make_units, units_cold: bool = True) -> tuple:
+    """Run ``make_units()`` (which makes the handles of work units with ``unit_address`` and returns them), then
+    compile ``dispatcher`` for ``arg_types`` (a driver or entry kernel taking those handles), and return the
+    handles. When the units compile here (``units_cold``), a helper process compiles ``dispatcher`` meanwhile
+    (``_helper_compile``), and this process then loads it from the cache."""
+    if units_cold:
         _helper_compile.defer(dispatcher, arg_types)
-    for unit in units:
-        unit_address(*unit)
+    handles = make_units()
     settle_units()
     dispatcher.compile(arg_types)
+    return handles
 
 
 def check_unit(handle: np.ndarray) -> None:
