@@ -39,8 +39,10 @@ class CompileWatch(logging.Handler):
         elif kind == "end" and not getattr(record, "fastattn_helper", False):  # a helper's overlaps this process's
             self.seconds += getattr(record, "fastattn_seconds", 0.0)
         if kind is not None and self.progress is not None:
-            self.progress.compiling(kind, getattr(record, "fastattn_kernel", ""),
-                                    getattr(record, "fastattn_seconds", None))
+            kernel = getattr(record, "fastattn_kernel", "")
+            if getattr(record, "fastattn_helper", False):
+                kernel += " in a helper process"
+            self.progress.compiling(kind, kernel, getattr(record, "fastattn_seconds", None))
 
     def __enter__(self) -> "CompileWatch":
         _notices.LOGGER.addHandler(self)
@@ -100,8 +102,8 @@ class Progress:
                 self._write(f"{prefix}{self.label}  [compiled {kernel} in {seconds:.1f} s]")
         elif kind == "start":
             self._write(f"{'':9}compiling {kernel} ...")
-        else:
-            self._write(f"{'':9}compiled in {seconds:.1f} s")
+        else:  # named: a helper process's kernel may end between another kernel's two lines
+            self._write(f"{'':9}compiled {kernel} in {seconds:.1f} s")
 
     def finish(self) -> None:
         """Clear the terminal's status line (nothing to do in a log)."""
