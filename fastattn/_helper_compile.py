@@ -53,10 +53,11 @@ getattr(mod, name).compile(arg_types)
 """
 
 _lock = threading.RLock()
-_pending: dict = {}  # (dispatcher, arg_types) -> (process, handle, started): deferred, not yet settled
+_pending: dict = {}  # (dispatcher, arg_types) -> (process, then, started): deferred, not yet settled
 
 
 def usable_cores() -> int:
+    """The cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -121,7 +122,7 @@ def defer(dispatcher, arg_types: tuple, then: Callable[[], None] | None = None) 
         process = _start(dispatcher, arg_types)
         if process is None:
             return False
-        from . import _notices  # here, not at the top: the job modules import this one before Numba is needed
+        from . import _notices  # imported here: this module stays importable without loading Numba
         name = _notices.describe(dispatcher, arg_types)
         _notices.emit(f"fastattn: compiling {name} in a helper process (first use; cached on disk afterwards) ...",
                       compile="start", kernel=name, helper=True)
@@ -142,9 +143,9 @@ def settle() -> None:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+            del _pending[key]  # first: an error in ``then`` reaches this caller once, not every later settle
             if then is not None:
-                then()  # before the entry leaves _pending: if it raises, the next settle calls it again
-            del _pending[key]
+                then()
             name = _notices.describe(*key)
             seconds = time.perf_counter() - started
             _notices.emit(f"fastattn: compiled {name} in {seconds:.1f} s (helper process)", compile="end",
@@ -152,4 +153,5 @@ def settle() -> None:
 
 
 def pending() -> bool:
+    """Whether any helper is still to be settled."""
     return bool(_pending)
