@@ -10,12 +10,11 @@ so the flat views, offsets and strides of ``_attention_layout`` work unchanged, 
 is D / 32 blocks; its last axis is contiguous by ``Quantized``'s rule).
 
 The one_chunk and split_kv loops (``_attention_group``) read quantized rows in place: the row intrinsics of
-``_attention_rows`` widen each block's 32 values in registers once for the group's query heads and apply the
-block's scale to the block's sum (K: d · (q · k)) or to the weight (V: (p d) · q). So each K/V row is dequantized
-once per query row and GQA group (not once per query head as in ggml), Q is never rounded, and the arithmetic is
-float32 throughout; only the order of the roundings differs from a dot product with the dequantized values, by
-the error of a float32 evaluation. Under a mask with a row per head, V rows are widened into a float32 scratch
-first (``v_block_rows``: ``_attention_nonfinite`` copies and zeroes float rows). ``q · d`` of a Q8_0 or Q4_0
+``_attention_rows`` widen each block's 32 values in registers and multiply them by the block's scale once for
+the group's query heads (K: q · (d k), V: p · (d v)). So each K/V row is dequantized once per query row and GQA
+group (not once per query head as in ggml), Q is never rounded, and the arithmetic is float32 throughout. Under
+a mask with a row per head, V rows are widened into a float32 scratch first (``v_block_rows``:
+``_attention_nonfinite`` copies and zeroes float rows). ``q · d`` of a Q8_0 or Q4_0
 value is exact in float32 (at most 8 + 11 significant bits), so widened values are exactly the reference's
 ``dequantize``.
 

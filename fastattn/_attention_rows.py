@@ -113,59 +113,27 @@ def _dot_codegen(n_heads: int, n_rows: int):
 
 def _quantized_dots(builder, dtype, base, q_rows, offsets, DK):
     """The sums q_rows[h] · K row r (rows quantized, Q8_0 or Q4_0 by ``dtype``, the first block of row r at byte
-    offsets[r] of ``base``), h-major. Per block: each row's 32 values widened in registers once for every head,
-    the products summed per (head, row) in a vector, then that vector times the row's scale d added to the
-    accumulator: d · (q · k), the same sum for a (head, row) in every variant. A block whose d is inf or NaN is
-    summed as q · (d k) instead, the reference's order, so that its infinities and NaNs come out as there.
-    Vectors of ``wide_lanes()`` floats: the block's arithmetic, not its bytes, bounds a quantized decode."""
+    offsets[r] of ``base``), h-major. Per block, each row's 32 values are widened in registers and multiplied by
+    the row's scale d once for every head (d k is exact in float32: an 11-bit significand times an integer of at
+    most 8 bits), then added to the (head, row) accumulators as float rows are: the dot product of q with the
+    dequantized row, the same sum for a (head, row) in every variant, and an inf or NaN d gives the infinities
+    and NaNs the dequantized values give. Vectors of ``wide_lanes()`` floats: the block's arithmetic, not its
+    bytes, bounds a quantized decode."""
     n_heads, n_rows = len(q_rows), len(offsets)
     width = block_bytes_of(dtype)
     lanes = wide_lanes()
     vector = ir.VectorType(ir.FloatType(), lanes)
     zero = ir.Constant(vector, [0.0] * lanes)
-    infinity = ir.Constant(ir.FloatType(), float("inf"))
 
     def block_step(b, acc):
         starts = [builder.gep(base, [builder.add(o, builder.mul(b, const(width)))]) for o in offsets]
-        scales = [block_scale(builder, start, lanes) for start in starts]
+        scales = [block_scale(builder, start, lanes)[0] for start in starts]
         q0 = builder.mul(b, const(QUANT_BLOCK))
-
-        def products(scaled):
-            sums = [zero] * (n_heads * n_rows)
-            for part in range(QUANT_BLOCK // lanes):
-                q = [load_floats(builder, row, builder.add(q0, const(lanes * part)), lanes) for row in q_rows]
-                k = [block_values(builder, dtype, start, part, lanes) for start in starts]
-                if scaled:
-                    k = [builder.fmul(k[r], scales[r][0]) for r in range(n_rows)]
-                sums = [fma(builder, q[h], k[r], sums[h * n_rows + r]) for h in range(n_heads) for r in range(n_rows)]
-            return sums
-
-        part = products(False)
-        fast = [fma(builder, scales[r][0], part[h * n_rows + r], acc[h * n_rows + r])
-                for h in range(n_heads) for r in range(n_rows)]
-        finite = [builder.fcmp_ordered("<", builder.call(builder.module.declare_intrinsic(
-            "llvm.fabs", [ir.FloatType()]), [d]), infinity) for _, d in scales]
-        every = finite[0]
-        for f in finite[1:]:
-            every = builder.and_(every, f)
-        entry = builder.basic_block
-        slow = builder.append_basic_block("quantized.nonfinite_scale")
-        join = builder.append_basic_block("quantized.block_done")
-        builder.cbranch(every, join, slow)
-        builder.position_at_end(slow)
-        exact = products(True)
-        chosen = [builder.select(finite[r], fast[h * n_rows + r], builder.fadd(acc[h * n_rows + r],
-                                                                              exact[h * n_rows + r]))
-                  for h in range(n_heads) for r in range(n_rows)]
-        builder.branch(join)
-        builder.position_at_end(join)
-        merged = []
-        for a, b_ in zip(fast, chosen):
-            phi = builder.phi(vector)
-            phi.add_incoming(a, entry)
-            phi.add_incoming(b_, slow)
-            merged.append(phi)
-        return merged
+        for part in range(QUANT_BLOCK // lanes):
+            q = [load_floats(builder, row, builder.add(q0, const(lanes * part)), lanes) for row in q_rows]
+            k = [builder.fmul(block_values(builder, dtype, start, part, lanes), d) for start, d in zip(starts, scales)]
+            acc = [fma(builder, q[h], k[r], acc[h * n_rows + r]) for h in range(n_heads) for r in range(n_rows)]
+        return acc
 
     n_blocks = builder.sdiv(DK, const(QUANT_BLOCK))
     acc = loop(builder, const(0), n_blocks, const(1), [zero] * (n_heads * n_rows), block_step)
@@ -260,23 +228,22 @@ def _axpy_codegen(n_rows: int, n_heads: int):
 
 def _quantized_updates(builder, dtype, base, a_rows, weights, offsets, DV, update):
     """``_axpy_codegen``'s update on quantized V rows (Q8_0 or Q4_0 by ``dtype``, the first block of row r at byte
-    offsets[r] of ``base``): per block, each head's weight of row r times the row's scale d (w d, one scalar
-    product), then the block's 32 values widened in registers once for every head and added as the float rows
-    are, (w d) · q for w · (d q), in vectors of ``wide_lanes()`` floats. Infinities and NaNs come out as there: an
-    inf or NaN d makes w d inf or NaN, and times a q of 0 NaN, as d q then w (d q) would."""
+    offsets[r] of ``base``): per block, the block's 32 values of each row widened in registers and multiplied by
+    the row's scale d (exact, as in ``_quantized_dots``) once for every head, then added as the float rows are,
+    w · (d q): the weighted dequantized row, infinities and NaNs included, in vectors of ``wide_lanes()``
+    floats."""
     n_heads, n_rows = len(a_rows), len(offsets)
     width = block_bytes_of(dtype)
     lanes = wide_lanes()
     vector = ir.VectorType(ir.FloatType(), lanes)
+    wide = [[splat(builder, weights[h][r], lanes) for r in range(n_rows)] for h in range(n_heads)]
 
     def block_step(b, _):
         starts = [builder.gep(base, [builder.add(o, builder.mul(b, const(width)))]) for o in offsets]
-        scales = [block_scale(builder, start)[1] for start in starts]
-        wide = [[splat(builder, builder.fmul(weights[h][r], scales[r]), lanes) for r in range(n_rows)]
-                for h in range(n_heads)]
+        scales = [block_scale(builder, start, lanes)[0] for start in starts]
         a_at = builder.mul(b, const(QUANT_BLOCK))
         for part in range(QUANT_BLOCK // lanes):
-            v = [block_values(builder, dtype, start, part, lanes) for start in starts]
+            v = [builder.fmul(block_values(builder, dtype, start, part, lanes), d) for start, d in zip(starts, scales)]
             at = builder.add(a_at, const(lanes * part))
             for h in range(n_heads):
                 ptr = builder.bitcast(builder.gep(a_rows[h], [at]), vector.as_pointer())
