@@ -1,22 +1,22 @@
 """Register-block arithmetic over a block of KV rows for a GQA group's heads (see ``_attention_group``).
 
-Query heads go in blocks of 4 (the rest one by one). ``_dot4x2`` scores two K rows for 4 heads in one pass over
-the rows (8 sums); ``_axpy4x4`` adds four weighted V rows to 4 heads' accumulators, loading and storing each
-accumulator once per four rows (the per-row update is bound by its vector stores).
-
-They are intrinsics that emit their vector loops themselves (``_simd``): a vector of columns at a time (float16
-and bfloat16 rows: 16 where Numba's target has AVX-512, else 8; float32 rows: 8, ``_row_lanes``) with one float
-vector accumulator per head and row, float16/bfloat16 bits widened in registers (``load_lanes``), then the
-columns past the last whole vector one by one; a column stride other than 1 takes the scalar loop for every
-column. Intrinsics rather than Numba loops inlined into ``group_rows``: an inlined loop is typed, inlined and
-vectorised again at each call site (about 4 s of each ``group_rows`` specialisation's compile), where an
-intrinsic hands LLVM straight vector code. A (head, row) score is the same sum in every variant (the lanes reduced pairwise, then the scalar
-columns), so a row scores alike in ``_dot4x2``, ``_dot4`` and ``_dot1``. Rows are addressed by flat offsets into
-1-D C arrays (``_attention_layout``).
+Query heads go in blocks of 4 (the rest one by one). ``_dot4x2`` scores two K rows for 4 heads in one pass over the
+rows (8 sums); ``_axpy4x4`` adds four weighted V rows to 4 heads' accumulators, loading and storing each accumulator
+once per four rows (the per-row update is bound by its vector stores). They are intrinsics that emit their vector
+loops themselves (``_simd``): a vector of columns at a time (float16 and bfloat16 rows: 16 where Numba's target has
+AVX-512, else 8; float32 rows: 8, ``_row_lanes``) with one float vector accumulator per head and row,
+float16/bfloat16 bits widened in registers (``load_lanes``), then the columns past the last whole vector one by one;
+a column stride other than 1 takes the scalar loop for every column. Intrinsics rather than Numba loops inlined into
+``group_rows``: an inlined loop is typed, inlined and vectorised again at each call site (about 4 s of each
+``group_rows`` specialisation's compile), where an intrinsic hands LLVM straight vector code. A (head, row) score is
+the same sum in every variant (the lanes reduced pairwise, then the scalar columns), so a row scores alike in
+``_dot4x2``, ``_dot4`` and ``_dot1``; the 8 or 4 accumulators of a call are reduced side by side
+(``_simd.hsum_many``: about 3 instructions a sum instead of 8). Rows are addressed by flat offsets into 1-D C arrays
+(``_attention_layout``).
 
 Quantized rows (Q8_0 as int8 bytes, Q4_0 as uint8, offsets in bytes) take a block loop instead
-(``_quantized_dots``, ``_quantized_updates``): each block of 32 values is widened in registers once for the heads
-of the call, its float16 scale applied to the block's sum (K) or to the weight (V), in vectors of 16 floats where
+(``_quantized_dots``, ``_quantized_updates``): each block of 32 values is widened in registers and multiplied by
+its float16 scale once for the heads of the call (d k, d v: the dequantized values), in vectors of 16 floats where
 Numba's target has AVX-512 (``_simd.wide_lanes``).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from ._quantized import BLOCK as QUANT_BLOCK
-from ._simd import (KERNEL_DTYPES, LANES, QUANT_DTYPES, as_int64, block_scale, block_values, const, fma, hsum_any,
+from ._simd import (KERNEL_DTYPES, LANES, QUANT_DTYPES, as_int64, block_scale, block_values, const, fma, hsum_many,
                     load1, load_floats, load_lanes, loop, prefetch_line, splat, wide_lanes)
 from .quant import block_bytes_of
 
@@ -93,7 +93,7 @@ def _dot_codegen(n_heads: int, n_rows: int):
 
         zero = ir.Constant(ir.VectorType(ir.FloatType(), lanes), [0.0] * lanes)
         acc = loop(builder, const(0), n_vector, const(lanes), [zero] * (n_heads * n_rows), vector_step)
-        sums = [hsum_any(builder, a) for a in acc]
+        sums = hsum_many(builder, acc)
 
         def scalar_step(d, acc):
             q = [load1(builder, types.float32, row, d) for row in q_rows]
@@ -137,7 +137,7 @@ def _quantized_dots(builder, dtype, base, q_rows, offsets, DK):
 
     n_blocks = builder.sdiv(DK, const(QUANT_BLOCK))
     acc = loop(builder, const(0), n_blocks, const(1), [zero] * (n_heads * n_rows), block_step)
-    return [hsum_any(builder, a) for a in acc]
+    return hsum_many(builder, acc)
 
 
 @intrinsic

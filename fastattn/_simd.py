@@ -211,6 +211,38 @@ def hsum_any(builder, v):
     return hsum(builder, v)
 
 
+def hsum_many(builder, vectors):
+    """The lane sums of ``vectors`` (a power of two of them, all of 8 or of 16 lanes) as scalars, each the same sum
+    ``hsum_any`` gives (halves added pairwise: lane i + lane i + width/2, down to one lane), computed side by side:
+    at each level two vectors' halved segments are packed into one vector and added with one instruction, so n sums
+    cost about n adds and 2n shuffles where ``hsum_any`` spends four adds and four shuffles or extracts on each."""
+    width = vectors[0].type.count
+    if len(vectors) > width:
+        return [s for at in range(0, len(vectors), width) for s in hsum_many(builder, vectors[at:at + width])]
+    count = len(vectors)
+    segment = width  # the vectors hold their sums' partials in segments of this many lanes, in order
+
+    def halves(per_vector):
+        half = segment // 2
+        lo = [j * segment + t for j in range(per_vector) for t in range(half)]
+        return lo, [i + half for i in lo]
+
+    while len(vectors) > 1:
+        lo, hi = halves(width // segment)
+        vectors = [builder.fadd(shuffle(builder, x, y, lo + [width + i for i in lo]),
+                                shuffle(builder, x, y, hi + [width + i for i in hi]))
+                   for x, y in zip(vectors[0::2], vectors[1::2])]
+        segment //= 2
+    packed = vectors[0]
+    while segment > 1:  # one vector left: halve its segments in place (the upper lanes are don't-cares)
+        lo, hi = halves(count)
+        filler = list(range(width - len(lo)))
+        packed = builder.fadd(shuffle(builder, packed, packed, lo + filler),
+                              shuffle(builder, packed, packed, hi + filler))
+        segment //= 2
+    return [builder.extract_element(packed, ir.Constant(I32, j)) for j in range(count)]
+
+
 def wide_lanes() -> int:
     """Float lanes per vector for code whose accumulators fit in 32 registers: 16 where Numba's target has
     AVX-512 (32 zmm registers), else 8 (a <16 x float> on AVX2 would take two of its 16 ymm registers)."""

@@ -193,3 +193,39 @@ def test_quantized_rows_with_an_infinite_scale_give_the_dequantized_values_infin
             got = row.reshape(4, D)
             assert np.array_equal(np.isnan(got), np.isnan(want_update))
             assert np.array_equal(got[np.isinf(want_update)], want_update[np.isinf(want_update)])
+
+
+def _lane_sums(n: int, lanes: int):
+    """A kernel writing hsum_any and hsum_many of n vectors of ``lanes`` floats from x: out[:n], out[n:]."""
+    from numba import types
+    from numba.extending import intrinsic
+    from llvmlite import ir
+
+    from fastattn._simd import const, hsum_any, hsum_many, load_floats
+
+    @intrinsic
+    def both(typingctx, x, out):
+        def codegen(context, builder, signature, args):
+            xs = context.make_array(signature.args[0])(context, builder, args[0])
+            outs = context.make_array(signature.args[1])(context, builder, args[1])
+            vectors = [load_floats(builder, xs.data, const(i * lanes), lanes) for i in range(n)]
+            for i, total in enumerate([hsum_any(builder, v) for v in vectors] + hsum_many(builder, vectors)):
+                builder.store(total, builder.gep(outs.data, [const(i)]))
+            return context.get_dummy_value()
+        return types.none(x, out), codegen
+
+    return numba.njit(cache=False)(lambda x, out: both(x, out))
+
+
+@pytest.mark.parametrize("lanes", [8, 16])
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 16])
+def test_side_by_side_lane_sums_equal_one_by_one_sums(n, lanes):
+    sums = _lane_sums(n, lanes)
+    rng = np.random.default_rng(n * lanes)
+    for _ in range(50):
+        x = (rng.standard_normal(n * lanes) * 10.0 ** rng.integers(-6, 7, n * lanes)).astype(np.float32)
+        out = np.empty(2 * n, np.float32)
+        sums(x, out)
+        np.testing.assert_array_equal(out[n:], out[:n])
+        np.testing.assert_allclose(out[:n], x.reshape(n, lanes).astype(np.float64).sum(axis=1), rtol=1e-5,
+                                   atol=1e-5 * np.abs(x).reshape(n, lanes).sum(axis=1).max())
