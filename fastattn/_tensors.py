@@ -22,6 +22,10 @@ from . import _validate
 
 def as_array(name: str, t) -> np.ndarray:
     """The ndarray sharing ``t``'s memory (``t`` a torch tensor), or a ``TypeError``/``ValueError`` naming it."""
+    try:  # torch's own view refuses every tensor the checks below refuse (and bfloat16): tried first, it is cheap
+        return t.numpy()
+    except (TypeError, RuntimeError):
+        pass
     torch = sys.modules["torch"]
     if t.device.type != "cpu":
         raise ValueError(f"{name} is a torch tensor on {t.device}; fastattn runs on the CPU: pass {name}.cpu()")
