@@ -16,7 +16,9 @@ What transformers passes, and what becomes of it:
   shorter than Nkv). Boolean masks (True takes part, as SDPA's) and additive masks from another builder (eager's
   finite minimum) are taken too; a mask with more columns than Nkv is cut to Nkv. A one-row mask (batch 1) that
   lets through one run of keys (a decode step over a static cache's filled rows, or a sliding window) is not
-  read at all: the call gets K/V rows of that run alone and no mask, the decode route of ``flash_attn_ext``.
+  read at all: the call gets K/V rows of that run alone and no mask, the decode route of ``flash_attn_ext`` (the
+  builder hands such a mask on as SDPA's boolean one, unconverted: once per generated token it is not worth
+  the conversion).
 - None with ``Nq > 1`` on a causal module: causal with torch's ``is_causal`` alignment (key j is hidden from
   query i when j > i). transformers only leaves the mask out when Nq == Nkv, where every alignment agrees.
 - ``scaling`` (default D**-0.5), ``softcap`` (Gemma 2's ``attn_logit_softcapping``), ``s_aux`` (GPT-OSS's sinks,
@@ -62,7 +64,8 @@ def register(name: str = DEFAULT_NAME) -> str:
 def attention_mask_for(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
                        mask_function=None, attention_mask=None, allow_is_causal_skip: bool = True, **kwargs):
     """transformers' mask builder for fastattn: SDPA's boolean mask turned additive (0 / -inf float32,
-    (B, 1, Nq, Nkv)), or None where SDPA's builder would leave the mask out."""
+    (B, 1, Nq, Nkv)), or None where SDPA's builder would leave the mask out. A one-row mask whose live keys are one
+    run stays SDPA's boolean mask: ``attention_forward`` reads that run of K/V rows, not the mask."""
     import torch
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
@@ -73,15 +76,20 @@ def attention_mask_for(batch_size: int, q_length: int, kv_length: int, q_offset=
     global _decode_mask
     if mask is None:
         return None
+    if mask.shape[:3] == (1, 1, 1) and mask.device.type == "cpu":
+        keys = _live_keys(mask.numpy()[0, 0, 0])
+        if keys is not None:  # a decode step over one run of keys: the layers read the run, never the mask
+            _decode_mask = (mask, keys)
+            return mask
     additive = torch.where(mask, torch.zeros((), dtype=torch.float32, device=mask.device),
                            torch.tensor(-math.inf, dtype=torch.float32, device=mask.device))
-    if mask.shape[:3] == (1, 1, 1) and mask.device.type == "cpu":
-        _decode_mask = (additive, _live_keys(mask.numpy()[0, 0, 0]))
+    _decode_mask = (additive, None)
     return additive
 
 
-#: The last one-row mask ``attention_mask_for`` built and its live keys (``_live_keys``): transformers builds one
-#: mask per forward and hands it to every layer, where a decode step then reads K/V rows [j0, j1) without a mask.
+#: The last mask ``attention_mask_for`` built and, for a one-row mask, its live keys (``_live_keys``; else None):
+#: transformers builds one mask per forward and hands it to every layer, where a decode step then reads K/V rows
+#: [j0, j1) without a mask.
 _decode_mask: tuple = (None, None)
 
 
