@@ -199,7 +199,6 @@ def _lane_sums(n: int, lanes: int):
     """A kernel writing hsum_any and hsum_many of n vectors of ``lanes`` floats from x: out[:n], out[n:]."""
     from numba import types
     from numba.extending import intrinsic
-    from llvmlite import ir
 
     from fastattn._simd import const, hsum_any, hsum_many, load_floats
 

@@ -169,6 +169,24 @@ def test_live_keys_of_a_mask_row(row, keys):
     assert fa_hf._live_keys(np.array([c == "1" for c in row])) == keys
 
 
+def test_mask_builder_leaves_a_one_run_decode_row_boolean_and_turns_the_rest_additive():
+    from transformers.masking_utils import and_masks, causal_mask_function
+
+    # a static cache of 12 rows, 8 filled (the skip would leave a mask out where no key is hidden beyond causality)
+    decode = fa_hf.attention_mask_for(1, 1, 12, q_offset=7, allow_is_causal_skip=False)
+    assert decode.dtype == torch.bool and fa_hf._decode_mask == (decode, (0, 8))
+
+    def with_hole(batch_idx, head_idx, q_idx, kv_idx):
+        return kv_idx != 3
+
+    holed = fa_hf.attention_mask_for(1, 1, 12, q_offset=7, mask_function=and_masks(causal_mask_function, with_hole),
+                                     allow_is_causal_skip=False)
+    assert holed.dtype == torch.float32 and fa_hf._decode_mask == (holed, None)
+    expected = torch.where(torch.arange(12) <= 7, 0.0, -torch.inf)
+    expected[3] = -torch.inf
+    assert torch.equal(holed[0, 0, 0], expected)
+
+
 class _Module(torch.nn.Module):
     is_causal = True
 
