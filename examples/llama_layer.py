@@ -17,9 +17,9 @@ RoPE is NEOX by default; ``LlamaConfig(rope_mode=fastattn.ROPE_MROPE, rope_secti
 and explicit cache ``rows`` makes it a Qwen2-VL text layer (with ``LayerWeights.bqkv``, the q/k/v biases).
 
 It prints the time per token of prefill and decode and the share of each op. On a machine with few cores, the
-idle workers of NumPy's OpenBLAS keep spinning after each matmul and delay the thread launches of fastattn's
-parallel kernels (docs/design.md); ``OPENBLAS_THREAD_TIMEOUT=4`` in the environment makes them sleep sooner (in one
-run here, decode attention went from 4.8 to 0.8 ms per call). ``tests/test_llama_layer.py``
+idle workers of NumPy's OpenBLAS keep spinning after each matmul and hold the cores fastattn's parallel kernels
+need (docs/design.md); ``OPENBLAS_THREAD_TIMEOUT=4`` in the environment makes them sleep at once, without slowing
+the matmuls (measured in docs/benchmarks.md, "When OpenBLAS's workers sleep"). ``tests/test_llama_layer.py``
 checks it against Hugging Face's ``LlamaModel`` and ``tests/test_qwen2vl_layer.py`` against ``Qwen2VLTextModel``
 when transformers is installed.
 """
