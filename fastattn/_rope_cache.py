@@ -166,7 +166,9 @@ def build_cs(pos: np.ndarray, params) -> np.ndarray:
     cs = np.empty((n_tokens, 2 * params.n_pairs), np.float32)
     args = (pos, table.streams, table.w, table.step_cos, table.step_sin, table.cos_scale, table.sin_scale, cs)
     # the inputs typed any layout, as the fused RoPE drivers pass them: both share cache_block's compilation
-    if n_tokens >= 8 * CACHE_BLOCK and _threads.threads_for(n_tokens * params.n_pairs * 16) > 1:
+    n_threads = _threads.threads_for(n_tokens * params.n_pairs * 16) if n_tokens >= 8 * CACHE_BLOCK else 1
+    if n_threads > 1:
+        _threads.launch_on(n_threads)
         call_any_layout(build_cache_parallel, TABLE_INPUTS, *args)
     else:
         call_any_layout(build_cache_serial, TABLE_INPUTS, *args)

@@ -104,16 +104,19 @@ def parallel_min_bytes(nbytes: int) -> Iterator[int]:
 
 
 def threads_for(nbytes: int) -> int:
-    """How many threads an op moving ``nbytes`` should use; applies the count to Numba when > 1."""
+    """How many threads an op moving ``nbytes`` should use (the launch applies it to Numba: ``launch_on``)."""
     if nbytes < PARALLEL_MIN_BYTES:  # tested first: the decode-sized calls it short-cuts are the hot ones
         return 1
-    n = get_num_threads()
-    if n == 1:
-        return 1
+    return get_num_threads()
+
+
+def launch_on(n: int) -> None:
+    """Numba's thread count for the calling thread's next ``prange`` launches: ``n`` (> 1). Called once per
+    parallel launch and never for a serial kernel: the call costs 1-2 us back to back and 10-15 us where the
+    caches are cold, as between a model's matmuls."""
     import numba
 
     numba.set_num_threads(n)
-    return n
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -206,9 +209,8 @@ class Team:
         self._site = site
         self._choice = site.choose()
         self.n = n if self._choice else 1
-        import numba
-
-        numba.set_num_threads(self.n)
+        if self._choice:
+            launch_on(n)
 
     def __enter__(self) -> "Team":
         self._start = time.perf_counter()
@@ -229,6 +231,8 @@ class FixedTeam:
 
     def __init__(self, n: int):
         self.n = n
+        if n > 1:
+            launch_on(n)
 
     def __enter__(self) -> "FixedTeam":
         return self
@@ -248,9 +252,8 @@ Launch = Team | FixedTeam
 def team(op: str, nbytes: int, n: int) -> Launch:
     """``with team("op", nbytes, n) as launch:`` run the op's ``prange`` kernel on ``launch.n`` threads when it
     is above 1, else its serial kernel: ``n`` (``threads_for``'s count) or 1, the call site's faster choice so
-    far; Numba's count is set to it. The
-    block's wall time is recorded for the call site, unless it raises or calls ``launch.cancel()`` (a route
-    that declined the call)."""
+    far; Numba's count is set to it when it is above 1 (``launch_on``). The block's wall time is recorded for the
+    call site, unless it raises or calls ``launch.cancel()`` (a route that declined the call)."""
     if n <= 1:
         return _ONE
     if _rule != "measured" or _forced:
