@@ -141,17 +141,17 @@ def test_static_cache_decode_reads_the_live_rows_without_a_mask(name):
     eager = model.generate(ids, **settings)
     model.set_attn_implementation("fastattn")
     calls = []
-    original = fastattn.flash_attn_ext
+    original = fa_hf.flash_attn_ext
 
     def spy(q, k, v, mask=None, **kwargs):
         calls.append((q.shape[2], k.shape[2], mask is None))
         return original(q, k, v, mask, **kwargs)
 
-    fastattn.flash_attn_ext = spy
+    fa_hf.flash_attn_ext = spy
     try:
         fast = model.generate(ids, **settings)
     finally:
-        fastattn.flash_attn_ext = original
+        fa_hf.flash_attn_ext = original
     decode = [(n_kv, no_mask) for n_q, n_kv, no_mask in calls if n_q == 1]
     # the prompt and each generated token so far, or Mistral's window (shorter than the prompt)
     live = [WINDOW if name == "mistral" else PROMPT + step + 1
@@ -185,6 +185,31 @@ def test_mask_builder_leaves_a_one_run_decode_row_boolean_and_turns_the_rest_add
     expected = torch.where(torch.arange(12) <= 7, 0.0, -torch.inf)
     expected[3] = -torch.inf
     assert torch.equal(holed[0, 0, 0], expected)
+
+
+
+@pytest.mark.parametrize("kv_length", [1, 5, 12])
+@pytest.mark.parametrize("kv_offset", [0, 3])
+def test_causal_decode_masks_match_sdpa_builder(kv_length, kv_offset):
+    """A causal decode row without padding (built without sdpa_mask's machinery) is sdpa_mask's own row, and its
+    live run is the keys up to the query's position, for every offset: before the first key, inside, past the
+    last."""
+    from transformers.masking_utils import sdpa_mask
+
+    for q_offset in range(-2, kv_length + kv_offset + 3):
+        for position in (q_offset, torch.tensor(q_offset)):
+            built = fa_hf.attention_mask_for(1, 1, kv_length, q_offset=position, kv_offset=kv_offset,
+                                             allow_is_causal_skip=False, device=torch.device("cpu"),
+                                             dtype=torch.float32)
+            row = sdpa_mask(batch_size=1, q_length=1, kv_length=kv_length, q_offset=position, kv_offset=kv_offset,
+                            allow_is_causal_skip=False)
+            keys = fa_hf._live_keys(row.numpy()[0, 0, 0])
+            assert built.shape == row.shape
+            if keys is None:  # no key live: the additive mask, all -inf
+                assert built.dtype == torch.float32 and bool(torch.all(built == -torch.inf))
+            else:
+                assert built.dtype == torch.bool and torch.equal(built, row)
+                assert fa_hf._decode_mask == (built, keys)
 
 
 class _Module(torch.nn.Module):

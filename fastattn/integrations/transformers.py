@@ -41,6 +41,7 @@ import sys
 import numpy as np
 
 from .._tensors import as_array
+from ..attention import flash_attn_ext
 
 #: The name ``register`` uses by default.
 DEFAULT_NAME = "fastattn"
@@ -69,11 +70,22 @@ def attention_mask_for(batch_size: int, q_length: int, kv_length: int, q_offset=
     import torch
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
+    global _decode_mask
+    if (batch_size == 1 and q_length == 1 and attention_mask is None and not allow_is_causal_skip
+            and (mask_function is None or mask_function is causal_mask_function)
+            and getattr(q_offset, "ndim", 0) == 0 and kwargs.get("local_size") is None
+            and str(kwargs.get("device", "cpu")) == "cpu"):
+        # a causal decode step without padding (a static cache's next row): keys j with kv_offset + j <= q_offset
+        # are live, the same boolean row sdpa_mask builds, without its general machinery
+        n_live = min(int(q_offset) - int(kv_offset) + 1, kv_length)
+        if n_live > 0:
+            mask = (torch.arange(kv_length) < n_live).view(1, 1, 1, kv_length)
+            _decode_mask = (mask, (0, n_live))
+            return mask
     kwargs.pop("dtype", None)  # the additive mask is float32 whatever the model's dtype: -inf is exact in it
     mask = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function or causal_mask_function,
                      attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
-    global _decode_mask
     if mask is None:
         return None
     if mask.shape[:3] == (1, 1, 1) and mask.device.type == "cpu":
@@ -126,10 +138,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                       softcap: float | None = None, s_aux=None, is_causal: bool | None = None, **kwargs):
     """transformers' attention function: ``(attn_output (B, Nq, Hq, DV), None)`` from query (B, Hq, Nq, D),
     key (B, Hkv, Nkv, D), value (B, Hkv, Nkv, DV) and the mask (see the module docstring)."""
-    import torch
-
-    from .. import flash_attn_ext
-
+    torch = sys.modules["torch"]  # loaded: transformers called with its tensors
     if dropout:
         raise ValueError(f"fastattn attention has no dropout (got dropout={dropout}); put the model in eval mode "
                          f"(model.eval()) or use another attn_implementation for training")
