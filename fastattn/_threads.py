@@ -136,9 +136,10 @@ def launch_on(n: int) -> None:
 #: Tries of each choice before the first comparison (the first is not counted).
 TRIES = 4
 #: A call site tries the choice it does not hold once every this many calls; every RETRY_CLOSE calls while that
-#: choice's mean is within CLOSE times the held one's (a retry then costs little and the means are noisy).
+#: choice's mean is within CLOSE times the held one's (the means are noisy there; a retry costs at most a quarter
+#: of a call, under 2% spread over the calls between retries).
 RETRY_EVERY = 32
-RETRY_CLOSE = 4
+RETRY_CLOSE = 16
 CLOSE = 1.25
 #: Calls whose parallel time is above this always run parallel: no wake-up costs that much.
 ALWAYS_PARALLEL_S = 0.02
