@@ -11,7 +11,7 @@ Work is cut into tasks (batch b, KV head g, block of query heads, Q tile). A tas
         widen (or dequantize: _attention_quantized.widen_row) the K and V tiles to float32 scratch once, for
         every head of the task
         for each live head, over the live KV rows lo .. hi only:
-            Sᵀ = K_tile · Q_hᵀ                      6 x 16 register-blocked block product
+            Sᵀ = K_tile · Q_hᵀ                      R x 16 register-blocked block products
             s  = scale·S, softcap·tanh(s/softcap), + slope·mask        (the reference's order)
                  (-inf where the mask is -inf, whatever K holds or the slope is: a hidden key is not read)
             M' = max(M, max_j s);  P = exp(s - M');  L = L·exp(M - M') + Σ P;  O = O·exp(M - M') + P·V
@@ -21,16 +21,17 @@ Work is cut into tasks (batch b, KV head g, block of query heads, Q tile). A tas
 Layout of a thread slot's float32 scratch (C-contiguous; cols = heads·Q_TILE, head after head):
 
     qt  (DK, cols)            the task's Q rows transposed (Q is never rounded to float16)
-    ks  (KV_TILE↑6, DK)       K tile;  vs (KV_TILE, DV↑16): V tile, padding columns zero
-    st  (KV_TILE↑6, cols)     scores, then probabilities, transposed: a KV row is contiguous over the queries,
+    ks  (KV_TILE↑R, DK)       K tile;  vs (KV_TILE, DV↑16): V tile, padding columns zero
+    st  (KV_TILE↑R, cols)     scores, then probabilities, transposed: a KV row is contiguous over the queries,
                               so the softmax runs along contiguous vectors of a compile-time length (Q_TILE)
     mt  (KV_TILE, Q_TILE)     a mask block that needs adding, transposed like st
     o   (cols, DV↑16)         unnormalised output rows;  m, l, alpha, tile_max (cols,): softmax state
 
-Both products are C[6, 16] (+)= A[6, :k] B[:k, 16] with B row-major (``_block_scores``: ks · qt;
-``_block_values``: stᵀ · vs, with O's rescale by alpha folded into the load of C), register-blocked intrinsics in
-``_attention_tiled_products``. Numba's own loops cannot hold vector accumulators across an outer loop, and BLAS
-(``np.dot``) called from every prange thread contends for OpenBLAS's own thread pool.
+Both products are C[R, 16] (+)= A[R, :k] B[:k, 16] with B row-major, R = BLOCK_ROWS (16 on AVX-512, 6 on
+AVX2): ``_block_scores`` (ks · qt) and ``_block_values`` (stᵀ · vs, with O's rescale by alpha folded into the
+load of C), register-blocked intrinsics in ``_attention_tiled_products``. Numba's own loops cannot hold vector
+accumulators across an outer loop, and BLAS (``np.dot``) called from every prange thread contends for OpenBLAS's
+own thread pool.
 
 Threads: one prange iteration per thread slot, each slot owning its scratch; the slots take tasks one at a time
 from a shared atomic counter, heaviest first (under a causal mask the last Q tiles see the most keys). A task's
@@ -48,7 +49,7 @@ from ._attention_tiled_products import (BLOCK_COLS, BLOCK_ROWS, _block_scores, _
 from ._attention_quantized import widen_row
 from ._kernel import assume_contiguous, call_any_layout, call_unit, fast_exp, fetch_add, kernel, to_f32
 
-#: Query rows of one head per tile (a multiple of both register-block dimensions, 6 and 16).
+#: Query rows of one head per tile (a multiple of the register blocks' dimensions: 6 or 16 rows, 16 columns).
 Q_TILE = 48
 #: Key/value rows per tile.
 KV_TILE = 64

@@ -2,10 +2,12 @@
 
 Both are C[6, 16] (+)= A[6, :k] B[:k, 16] with B row-major: ``_block_scores`` (a K tile times the Q tile
 transposed; the head dimension summed in runs of SCORE_CHUNK terms) and ``_block_values`` (probabilitiesᵀ times a
-V tile, with the output's rescale by alpha folded into the load of C). Each keeps the 6 x 16 block of C in
-registers for the whole k loop, as sgemm kernels do: twelve ymm registers and twelve 8-wide FMAs per step against
-two B loads and six broadcasts, or, where Numba's target has AVX-512 (``_simd.wide_lanes``), six zmm registers and
-six 16-wide FMAs against one B load. Each element of C takes the same FMAs in the same order either way.
+V tile, with the output's rescale by alpha folded into the load of C). Each keeps a BLOCK_ROWS x 16 block of C in
+registers for the whole k loop, as sgemm kernels do. On AVX2, 6 x 16: twelve ymm registers and twelve 8-wide FMAs
+per step against two B loads and six broadcasts. Where Numba's target has AVX-512 (``_simd.wide_lanes``), 16 x 16:
+sixteen zmm registers and sixteen 16-wide FMAs against one B load and sixteen broadcasts; with six rows the six FMA
+chains could not cover the FMA's latency on two ports (prefill 2048 causal, 1 thread: 16 rows took 0.82x the time
+of 6, 8 rows 0.91x, 24 rows 0.86x). Each element of C takes the same FMAs in the same order with any block.
 ``_values_skipping_zeros`` is ``_block_values`` without the zero weights, for V tiles holding inf or NaN.
 """
 from __future__ import annotations
@@ -24,7 +26,8 @@ from ._simd import as_int64, const, fma, loop, splat, wide_lanes
 #: Runs of 32 or 64 were more exact at D 128 but made prefill 2-5% slower.
 SCORE_CHUNK = 128
 
-BLOCK_ROWS = 6  # register block of the products: 6 rows x 16 columns = 12 ymm or 6 zmm accumulators
+#: register block of the products: BLOCK_ROWS rows x BLOCK_COLS columns of accumulators (12 ymm or 16 zmm)
+BLOCK_ROWS = 16 if wide_lanes() == 16 else 6
 BLOCK_COLS = 16
 
 

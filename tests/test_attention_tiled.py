@@ -292,22 +292,23 @@ def _products_with_lanes(monkeypatch, lanes):
 @pytest.mark.parametrize("lanes", [8, 16])
 def test_block_products_compile_to_vector_fmas(monkeypatch, lanes):
     uncached = _products_with_lanes(monkeypatch, lanes)
-    z = np.zeros
-    uncached(z((6, 8), np.float32), z((8, 16), np.float32), z((6, 16), np.float32), z((6, 16), np.float32),
-             z((6, 16), np.float32), z(6, np.float32))
+    z, rows = np.zeros, tiled.BLOCK_ROWS
+    uncached(z((rows, 8), np.float32), z((8, 16), np.float32), z((rows, 16), np.float32),
+             z((rows, 16), np.float32), z((rows, 16), np.float32), z(rows, np.float32))
     asm = uncached.inspect_asm(uncached.signatures[0])
     ymm, zmm = (len(re.findall(rf"vfmadd\w*ps\s+.*{reg}", asm)) for reg in ("ymm", "zmm"))
-    assert ymm >= 24 or (lanes == 16 and zmm >= 12), "the 6 x 16 blocks did not compile to vector FMAs"
+    assert ymm >= 24 or (lanes == 16 and zmm >= 12), f"the {rows} x 16 blocks did not compile to vector FMAs"
 
 
 def test_block_products_give_the_same_bits_in_8_and_16_float_vectors(monkeypatch):
     rng = np.random.default_rng(0)
-    ks, qt = rng.standard_normal((6, 200)).astype(np.float32), rng.standard_normal((200, 16)).astype(np.float32)
-    vs, alpha = rng.standard_normal((6, 16)).astype(np.float32), rng.random(6).astype(np.float32)
-    start = rng.standard_normal((6, 16)).astype(np.float32)
+    rows = tiled.BLOCK_ROWS  # one register block: (rows, 16) scores, then rows x 16 of the output
+    ks, qt = rng.standard_normal((rows, 200)).astype(np.float32), rng.standard_normal((200, 16)).astype(np.float32)
+    vs, alpha = rng.standard_normal((rows, 16)).astype(np.float32), rng.random(rows).astype(np.float32)
+    start = rng.standard_normal((rows, 16)).astype(np.float32)
     results = []
     for lanes in (8, 16):
-        st_, o = np.zeros((6, 16), np.float32), start.copy()
+        st_, o = np.zeros((rows, 16), np.float32), start.copy()
         _products_with_lanes(monkeypatch, lanes)(ks, qt, st_, vs, o, alpha)
         results.append((st_, o))
     assert np.array_equal(results[0][0], results[1][0]) and np.array_equal(results[0][1], results[1][1])
