@@ -18,19 +18,21 @@ a mask with a row per head, V rows are widened into a float32 scratch first (``v
 value is exact in float32 (at most 8 + 11 significant bits), so widened values are exactly the reference's
 ``dequantize``.
 
-``widen_row`` does the same for the tiled path's K and V tiles (one row into a float32 scratch row).
+``widen_rows`` does the same for the tiled path's K and V tiles (a tile's rows into a float32 scratch).
 """
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
 from numba import types
 from numba.core.errors import TypingError
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 from ._attention_rows import ROWS
 from ._attention_softmax import _live_rows
 from ._kernel import assume_contiguous, kernel, to_f32
 from ._quantized import BLOCK
+from ._simd import KERNEL_DTYPES, const, load1, load_lanes, loop, wide_lanes
 from .quant import block_bytes_of, widen_blocks
 
 _INF = np.float32(np.inf)
@@ -94,45 +96,99 @@ def _v_block_rows(rows_at, n_values, jb, sc, n, every, rows, scratch, per_head_m
     return lambda rows_at, n_values, jb, sc, n, every, rows, scratch, per_head_mask: rows_at
 
 
+def _nonfinite(builder, x):
+    """|x| >= inf or x NaN (``fcmp uge``, no fast-math flags), lane by lane for a vector."""
+    name = f"llvm.fabs.v{x.type.count}f32" if isinstance(x.type, ir.VectorType) else "llvm.fabs.f32"
+    fabs = builder.module.declare_intrinsic(name, (), ir.FunctionType(x.type, [x.type]))
+    inf = ir.Constant(x.type, [float("inf")] * x.type.count if isinstance(x.type, ir.VectorType) else float("inf"))
+    return builder.fcmp_unordered(">=", builder.call(fabs, [x]), inf)
+
+
+def _any_lane(builder, mask):
+    """Whether any lane of the i1 vector ``mask`` is set."""
+    bits = ir.IntType(mask.type.count)
+    return builder.icmp_unsigned("!=", builder.bitcast(mask, bits), ir.Constant(bits, 0))
+
+
+@intrinsic
+def _widen_floats(typingctx, src, dst, n):
+    """dst[:n] = src[:n] widened to float32 (src 1-D C float32, float16 bits or bfloat16 bits; dst 1-D C float32);
+    returns whether a value is an inf or NaN. In vectors of ``wide_lanes()`` (one load, one conversion and one
+    store per vector, where a Numba loop with the check compiled to scalar half conversions)."""
+    if not (isinstance(src, types.Array) and src.dtype in KERNEL_DTYPES and src.ndim == 1 and src.layout == "C"
+            and isinstance(dst, types.Array) and dst.dtype == types.float32 and dst.ndim == 1
+            and dst.layout == "C" and isinstance(n, types.Integer)):
+        raise TypingError(f"_widen_floats: expected 1-D C src of {KERNEL_DTYPES}, 1-D C float32 dst and an "
+                          f"integer count; got {src}, {dst}, {n}")
+
+    def codegen(context, builder, signature, args):
+        src_t, dst_t, n_t = signature.args
+        a = context.make_array(src_t)(context, builder, args[0])
+        b = context.make_array(dst_t)(context, builder, args[1])
+        count = context.cast(builder, args[2], n_t, types.int64)
+        lanes = wide_lanes()
+        vector = ir.VectorType(ir.FloatType(), lanes)
+        no = ir.Constant(ir.VectorType(ir.IntType(1), lanes), [0] * lanes)
+
+        def vector_step(d, carried):
+            x = load_lanes(builder, src_t.dtype, a.data, d, lanes)
+            builder.store(x, builder.bitcast(builder.gep(b.data, [d]), vector.as_pointer()), align=4)
+            return [builder.or_(carried[0], _nonfinite(builder, x))]
+
+        n_vector = builder.and_(count, const(-lanes))
+        bad_lanes = loop(builder, const(0), n_vector, const(lanes), [no], vector_step)[0]
+
+        def scalar_step(d, carried):
+            x = load1(builder, src_t.dtype, a.data, d)
+            builder.store(x, builder.gep(b.data, [d]), align=4)
+            return [builder.or_(carried[0], _nonfinite(builder, x))]
+
+        tail = loop(builder, n_vector, count, const(1), [_any_lane(builder, bad_lanes)], scalar_step)[0]
+        return tail
+
+    return types.boolean(src, dst, n), codegen
+
+
 @kernel
-def _widen_float_row(src, dst):
+def _widen_float_rows(plane, j0, n, dst):
+    """``widen_rows`` for float32, float16 and bfloat16 rows."""
     bad = False
-    if src.strides[0] == src.itemsize:
-        contiguous = assume_contiguous(src)
-        for d in range(src.shape[0]):
-            x = to_f32(contiguous[d])
-            dst[d] = x
-            bad |= not abs(x) < _INF
-    else:
-        for d in range(src.shape[0]):
-            x = to_f32(src[d])
-            dst[d] = x
-            bad |= not abs(x) < _INF
+    for jj in range(n):
+        src = plane[j0 + jj]
+        row = dst[jj]
+        if src.strides[0] == src.itemsize:
+            bad |= _widen_floats(assume_contiguous(src), row, src.shape[0])
+        else:
+            for d in range(src.shape[0]):
+                x = to_f32(src[d])
+                row[d] = x
+                bad |= not abs(x) < _INF
     return bad
 
 
 @kernel
-def _finite_check(dst, n):
+def _widen_quantized_rows(plane, j0, n, dst, n_values):
+    """``widen_rows`` for Q8_0 and Q4_0 rows of ``n_values`` values (their bytes; the last axis contiguous by
+    ``Quantized``'s rule)."""
     bad = False
-    for d in range(n):
-        bad |= not abs(dst[d]) < _INF
+    for jj in range(n):
+        row = dst[jj]
+        widen_blocks(assume_contiguous(plane[j0 + jj]), 0, n_values, row, 0)
+        bad |= _widen_floats(row, row, n_values)  # float32 in place: the finite check alone
     return bad
 
 
-def widen_row(src, dst):
-    """dst[:n] = the float32 values of the row ``src`` (float32, float16/bfloat16 bits, or the bytes of a Q8_0 or
-    Q4_0 row: n = its values); returns whether the row holds an inf or NaN (a comparison: fast-math folds sums like
-    acc + (x - x) to acc). Contiguous rows take the vectorised loop. Kernel-only."""
+def widen_rows(plane, j0, n, dst):
+    """dst[jj, :] = the float32 values of row j0 + jj of ``plane`` (2-D: rows of float32, float16/bfloat16 bits, or
+    the bytes of Q8_0 or Q4_0 rows) for jj < n, ``dst`` a C-contiguous float32 scratch of at least n rows of the
+    row's values; returns whether a value is an inf or NaN (a comparison: fast-math folds sums like acc + (x - x)
+    to acc). One call per tile: contiguous rows take ``_widen_floats``' vector loop. Kernel-only."""
     raise NotImplementedError
 
 
-@overload(widen_row)
-def _widen_row(src, dst):
-    width = block_bytes_of(src.dtype)
+@overload(widen_rows)
+def _widen_rows(plane, j0, n, dst):
+    width = block_bytes_of(plane.dtype)
     if width:
-        def widen(src, dst):
-            n = src.shape[0] // width * BLOCK
-            widen_blocks(assume_contiguous(src), 0, n, assume_contiguous(dst), 0)
-            return _finite_check(dst, n)
-        return widen
-    return lambda src, dst: _widen_float_row(src, dst)
+        return lambda plane, j0, n, dst: _widen_quantized_rows(plane, j0, n, dst, plane.shape[1] // width * BLOCK)
+    return lambda plane, j0, n, dst: _widen_float_rows(plane, j0, n, dst)

@@ -8,7 +8,7 @@ Work is cut into tasks (batch b, KV head g, block of query heads, Q tile). A tas
     for each KV tile of the task:
         heads whose mask block is all -inf skip the tile (causal prefill: about half the tiles); if all do,
         nothing is read
-        widen (or dequantize: _attention_quantized.widen_row) the K and V tiles to float32 scratch once, for
+        widen (or dequantize: _attention_quantized.widen_rows) the K and V tiles to float32 scratch once, for
         every head of the task
         for each live head, over the live KV rows lo .. hi only:
             Sᵀ = K_tile · Q_hᵀ                      R x 16 register-blocked block products
@@ -46,7 +46,7 @@ from numba import prange, types
 from . import _threads
 from ._attention_tiled_products import (BLOCK_COLS, BLOCK_ROWS, _block_scores, _block_values, _fma,
                                        _values_skipping_zeros)
-from ._attention_quantized import widen_row
+from ._attention_quantized import widen_rows
 from ._kernel import assume_contiguous, call_any_layout, call_unit, fast_exp, fetch_add, kernel, to_f32
 
 #: Query rows of one head per tile (a multiple of the register blocks' dimensions: 6 or 16 rows, 16 columns).
@@ -191,11 +191,8 @@ def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, soft
             continue
 
         # Widen the K and V tiles once for every head of the task; note a non-finite V row.
-        v_finite = True
-        for jj in range(nk):
-            widen_row(k_plane[j0 + jj], ks[jj])
-            if widen_row(v_plane[j0 + jj], vs[jj]):
-                v_finite = False
+        widen_rows(k_plane, j0, nk, ks)
+        v_finite = not widen_rows(v_plane, j0, nk, vs)
 
         loaded_plane = -1  # the mask plane whose block is in mt (one for every head when the mask has one head)
         for hh in range(n_heads):

@@ -22,9 +22,10 @@ from fastattn import _attention_tiled as tiled
 from fastattn._args.attention import alibi_slopes
 from fastattn._kernel import KERNEL_OPTIONS, kernel_view
 from fastattn._validate import FLOAT32, admit_bfloat16
+from fastattn.quant import bytes_view
 from fastattn.reference import flash_attn_ext
 from fastattn.testing import assert_within_rule
-from strategies import attention_variants, seeds, strided, thread_counts
+from strategies import BFLOAT16, attention_variants, seeds, strided, thread_counts
 
 QT, KT = tiled.Q_TILE, tiled.KV_TILE
 
@@ -312,3 +313,44 @@ def test_block_products_give_the_same_bits_in_8_and_16_float_vectors(monkeypatch
         _products_with_lanes(monkeypatch, lanes)(ks, qt, st_, vs, o, alpha)
         results.append((st_, o))
     assert np.array_equal(results[0][0], results[1][0]) and np.array_equal(results[0][1], results[1][1])
+
+
+def _widen_tile(plane, j0, n, dst):
+    return tiled.widen_rows(plane, j0, n, dst)
+
+
+_widen_tile_kernel = numba.njit(**dict(KERNEL_OPTIONS, cache=False))(_widen_tile)
+
+
+@pytest.mark.parametrize("dtype, width", [(dtype, width) for dtype in ("float32", "float16", "bfloat16")
+                                          for width in (32, 40, 96, 200)]
+                         + [(qtype, width) for qtype in ("q8_0", "q4_0") for width in (32, 96)])
+def test_widen_rows_gives_the_float32_values_and_flags_non_finite_ones(dtype, width):
+    """A tile's rows widened into the scratch are exactly the values the reference reads (float rows:
+    ``astype(float32)``; quantized rows: ``dequantize``), for rows with a vector tail and strided rows, the scratch's
+    other entries untouched; the result says whether a widened value is an inf or NaN."""
+    rng = np.random.default_rng(width)
+    values = rng.standard_normal((12, width)).astype(np.float32)
+    for special in (None, np.inf, -np.inf, np.nan):
+        x = values.copy()
+        if special is not None:
+            x[7, width - 3] = special  # in the rows widened below, in a vector's tail lanes or the scalar tail
+        if dtype in ("q8_0", "q4_0"):
+            data = fastattn.quantize(x, dtype)
+            with np.errstate(invalid="ignore"):  # an inf scale times a zero q
+                expected = fastattn.reference.dequantize(data)
+            plane = bytes_view(data)
+        else:
+            if dtype == "bfloat16" and (BFLOAT16 is None or not admit_bfloat16(BFLOAT16)):
+                pytest.skip("bfloat16 needs ml_dtypes")
+            stored = x.astype(BFLOAT16 if dtype == "bfloat16" else dtype)
+            plane, expected = kernel_view(stored), stored.astype(np.float32)
+        planes = [plane]
+        if dtype not in ("q8_0", "q4_0"):  # float rows may be strided (quantized rows are contiguous by rule)
+            planes.append(kernel_view(np.repeat(plane, 2, axis=1))[:, ::2])
+        for p in planes:
+            dst = np.full((9, width + 16), 7.0, np.float32)
+            bad = _widen_tile_kernel(p, 2, 8, dst)
+            np.testing.assert_array_equal(dst[:8, :width], expected[2:10])
+            assert np.all(dst[:8, width:] == 7.0) and np.all(dst[8] == 7.0)
+            assert bad == (special is not None and not np.all(np.isfinite(expected[2:10])))
