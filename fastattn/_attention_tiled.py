@@ -44,7 +44,7 @@ import numpy as np
 from numba import prange, types
 
 from . import _threads
-from ._attention_tiled_products import (BLOCK_COLS, BLOCK_ROWS, _block_scores, _block_values, _fma,
+from ._attention_tiled_products import (BLOCK_COLS, BLOCK_ROWS, _block_scores, _block_values, _exp_pass, _fma,
                                        _values_skipping_zeros)
 from ._attention_quantized import widen_rows
 from ._kernel import assume_contiguous, call_any_layout, call_unit, fast_exp, fetch_add, kernel, to_f32
@@ -252,12 +252,7 @@ def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, soft
                 m_h[c] = m_new
                 l_h[c] *= a_h[c]
             t_sum[:] = 0.0
-            for jj in range(lo, hi):
-                row = st[jj, c0:c0 + Q_TILE]
-                for c in range(Q_TILE):
-                    p = fast_exp(row[c] - t_max[c])
-                    row[c] = p
-                    t_sum[c] += p
+            _exp_pass(st, lo, hi, c0, t_max, t_sum)
             for c in range(Q_TILE):
                 l_h[c] += t_sum[c]
             if kind == MASK_ADD and not v_finite:  # hidden keys weigh 0: keep them off a NaN V row

@@ -17,7 +17,7 @@ from numba import types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
-from ._kernel import kernel
+from ._kernel import _EXP_MAX, _EXP_MIN, _LN2_HI, _LN2_LO, _LOG2E, EXP_POLYNOMIAL, kernel
 from ._simd import as_int64, const, fma, loop, splat, wide_lanes
 
 #: The score product sums the head dimension in runs of this many terms, each in fresh accumulators, then adds
@@ -153,3 +153,74 @@ def _values_skipping_zeros(st, vs, o, alpha, c0, c1, lo, hi):
                 row = vs[jj]
                 for d in range(oc.shape[0]):
                     oc[d] = _fma(p, row[d], oc[d])
+
+
+def _exp_lanes(builder, x):
+    """``_kernel.fast_exp`` lane by lane on the float vector ``x``: the same clamp, range reduction, polynomial and
+    exponent bits, exactly 0 below the clamp (-inf), +inf above it, NaN for NaN."""
+    vector = x.type
+    lanes = vector.count
+    i32s = ir.VectorType(ir.IntType(32), lanes)
+
+    def c(value):
+        return ir.Constant(vector, [float(value)] * lanes)
+
+    below = builder.fcmp_ordered("<", x, c(_EXP_MIN))
+    above = builder.fcmp_ordered(">", x, c(_EXP_MAX))
+    xc = builder.select(below, c(_EXP_MIN), builder.select(above, c(_EXP_MAX), x))
+    floor = builder.module.declare_intrinsic(f"llvm.floor.v{lanes}f32", (), ir.FunctionType(vector, [vector]))
+    n = builder.call(floor, [fma(builder, xc, c(_LOG2E), c(0.5))])
+    r = fma(builder, n, c(-_LN2_HI), xc)
+    r = fma(builder, n, c(-_LN2_LO), r)
+    p = c(EXP_POLYNOMIAL[0])
+    for coefficient in EXP_POLYNOMIAL[1:]:
+        p = fma(builder, p, r, c(coefficient))
+    p = builder.fadd(fma(builder, builder.fmul(p, r), r, r), c(1.0))
+    n = builder.select(builder.fcmp_ordered("==", n, n), n, c(0.0))  # NaN: any exponent (p is NaN already)
+    biased = builder.add(builder.fptosi(n, i32s), ir.Constant(i32s, [127] * lanes))
+    y = builder.fmul(p, builder.bitcast(builder.shl(biased, ir.Constant(i32s, [23] * lanes)), vector))
+    return builder.select(below, c(0.0), builder.select(above, c(float("inf")), y))
+
+
+@intrinsic
+def _exp_pass(typingctx, st, lo, hi, c0, t_max, t_sum):
+    """st[j, c0 + c] = fast_exp(st[j, c0 + c] - t_max[c]) for rows lo <= j < hi and c < len(t_max), and
+    t_sum[c] += each, in row order: the softmax weights of a tile, in vectors of ``wide_lanes()`` floats (a Numba
+    loop vectorises 8 wide on AVX-512), each t_sum[c] kept in a register across the rows."""
+    _check_scratch(st, t_max, t_sum)
+    if not all(isinstance(t, types.Integer) for t in (lo, hi, c0)):
+        raise TypingError("_exp_pass: expected integer rows and column")
+
+    def codegen(context, builder, signature, args):
+        st_a, tmax_a, tsum_a = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 4, 5))
+        lo_i, hi_i, c0_i = (as_int64(context, builder, args[i], signature.args[i]) for i in (1, 2, 3))
+        ld = builder.extract_value(st_a.shape, 1)
+        width = builder.extract_value(tmax_a.shape, 0)
+
+        def columns(lanes):
+            vector = ir.VectorType(ir.FloatType(), lanes)
+            ptr = vector.as_pointer()
+
+            def column_step(col, _):
+                t_m = builder.load(builder.bitcast(builder.gep(tmax_a.data, [col]), ptr), align=4)
+                sum_ptr = builder.bitcast(builder.gep(tsum_a.data, [col]), ptr)
+                at = builder.add(c0_i, col)
+
+                def row_step(j, carried):
+                    cell = builder.bitcast(builder.gep(st_a.data, [builder.add(builder.mul(j, ld), at)]), ptr)
+                    w = _exp_lanes(builder, builder.fsub(builder.load(cell, align=4), t_m))
+                    builder.store(w, cell, align=4)
+                    return [builder.fadd(carried[0], w)]
+
+                total = loop(builder, lo_i, hi_i, const(1), [builder.load(sum_ptr, align=4)], row_step)[0]
+                builder.store(total, sum_ptr, align=4)
+                return []
+            return column_step
+
+        lanes = wide_lanes()
+        n_vector = builder.and_(width, const(-lanes))
+        loop(builder, const(0), n_vector, const(lanes), [], columns(lanes))
+        loop(builder, n_vector, width, const(1), [], columns(1))
+        return context.get_dummy_value()
+
+    return types.none(st, lo, hi, c0, t_max, t_sum), codegen

@@ -196,6 +196,9 @@ def from_f32(typingctx, v, like):
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)
 _LN2_LO = np.float32(-2.12194440e-4)
+#: fast_exp's polynomial coefficients, highest degree first (``_attention_tiled_products._exp_lanes`` too)
+EXP_POLYNOMIAL = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+                                               1.6666665459e-1, 5.0000001201e-1))
 _EXP_MIN = np.float32(-87.33654)  # below this exp underflows to 0 in float32 (and -inf lands here)
 _EXP_MAX = np.float32(88.37626)  # largest x whose 2**n scale stays finite
 
@@ -209,12 +212,12 @@ def fast_exp(x):
     r = xc - n * _LN2_HI
     r = r - n * _LN2_LO
     # Cephes expf minimax polynomial on [-ln2/2, ln2/2].
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
+    p = EXP_POLYNOMIAL[0]
+    p = p * r + EXP_POLYNOMIAL[1]
+    p = p * r + EXP_POLYNOMIAL[2]
+    p = p * r + EXP_POLYNOMIAL[3]
+    p = p * r + EXP_POLYNOMIAL[4]
+    p = p * r + EXP_POLYNOMIAL[5]
     p = p * r * r + r + np.float32(1.0)
     scale = _pow2i(np.int32(n))
     y = p * scale

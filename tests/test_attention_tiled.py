@@ -20,6 +20,7 @@ import fastattn
 from attention_cases import FLOOR, MASK_KINDS, make_mask, naive_f32
 from fastattn import _attention_tiled as tiled
 from fastattn._args.attention import alibi_slopes
+from fastattn._kernel import _EXP_MIN as EXP_MIN
 from fastattn._kernel import KERNEL_OPTIONS, kernel_view
 from fastattn._validate import FLOAT32, admit_bfloat16
 from fastattn.quant import bytes_view
@@ -354,3 +355,44 @@ def test_widen_rows_gives_the_float32_values_and_flags_non_finite_ones(dtype, wi
             np.testing.assert_array_equal(dst[:8, :width], expected[2:10])
             assert np.all(dst[:8, width:] == 7.0) and np.all(dst[8] == 7.0)
             assert bad == (special is not None and not np.all(np.isfinite(expected[2:10])))
+
+
+def _exp_pass_call(st_, lo, hi, c0, t_max, t_sum):
+    tiled._exp_pass(st_, lo, hi, c0, t_max, t_sum)
+
+
+_exp_pass_kernel = numba.njit(**dict(KERNEL_OPTIONS, cache=False))(_exp_pass_call)
+
+
+@pytest.mark.parametrize("width", [tiled.Q_TILE, 20])
+def test_exp_pass_gives_the_softmax_weights_and_their_sums(width):
+    """The tile's weights exp(s - max) in vectors: within float32 rounding of exp in float64, exactly 0 for a
+    -inf score (a hidden key) or one far below the max, NaN for a NaN score, and each column's sum added to t_sum
+    in row order; the cells outside the rows and columns asked for stay as they were."""
+    rng = np.random.default_rng(width)
+    st_ = (rng.standard_normal((12, 80)) * 30).astype(np.float32)
+    st_[3, 5:9] = -np.inf
+    st_[4, 6] = np.nan
+    st_[5, 7] = -200.0
+    c0, lo, hi = 5, 2, 9
+    t_max = np.nanmax(np.where(np.isinf(st_[lo:hi, c0:c0 + width]), np.nan, st_[lo:hi, c0:c0 + width]), axis=0)
+    t_max = t_max.astype(np.float32)
+    t_sum = rng.random(width).astype(np.float32)
+    before, sums_before = st_.copy(), t_sum.copy()
+    _exp_pass_kernel(st_, lo, hi, c0, t_max, t_sum)
+    with np.errstate(invalid="ignore"):
+        shifted = before[lo:hi, c0:c0 + width] - t_max  # in float32, as the pass subtracts
+        expected = np.exp(shifted.astype(np.float64))
+    got = st_[lo:hi, c0:c0 + width]
+    assert np.array_equal(np.isnan(got), np.isnan(shifted))
+    underflow = shifted < EXP_MIN  # -inf and far below the max: exactly 0, as fast_exp
+    assert np.all(got[underflow] == 0.0) and got[5 - lo, 7 - c0] == 0.0
+    live = np.isfinite(shifted) & ~underflow
+    np.testing.assert_allclose(got[live], expected[live], rtol=3e-7, atol=0)
+    outside = np.ones(st_.shape, bool)
+    outside[lo:hi, c0:c0 + width] = False
+    assert np.array_equal(st_[outside], before[outside])
+    running = sums_before.copy()
+    for row in got:  # the sums in row order, as the pass adds them
+        running += row
+    assert np.array_equal(t_sum, running, equal_nan=True)
