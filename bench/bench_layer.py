@@ -5,7 +5,7 @@ layer (32 / 8 heads x 128, FFN 14336, float16 KV cache) runs decode tokens at co
 ``N_PREFILL`` tokens, alternating 1 and 2 threads from token to token (the order rotating), with NumPy's BLAS on
 as many threads as a user leaves it (all cores; the other benchmarks pin it to one) and fastattn's default thread
 rule ("measured": each call site above the size rule runs on the threads or on one, whichever it has timed
-faster; seven untimed tokens at 2 threads let it try both first). For every op the group
+faster; 2 x TRIES untimed tokens at 2 threads let it try both first). For every op the group
 records, in ``extra_info``, its median time in the layer at 1 and 2 threads and its median time called back to
 back with the same arguments (the last call of the layer replayed in a loop), in microseconds.
 
@@ -136,9 +136,9 @@ def _run_layer(benchmark, example, stage: str, rounds: int):
             token(threads)
 
     # compiles or loads every kernel both thread counts take, and lets the measured rule try both of its
-    # choices at every call site (six calls each) before the timed rounds
+    # choices at every call site (TRIES calls each) before the timed rounds
     token(1)
-    for _ in range(7):
+    for _ in range(2 * _threads.TRIES):
         token(2)
     for times in per_threads.values():
         times.clear()

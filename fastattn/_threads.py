@@ -15,7 +15,8 @@ NumPy matmul whose BLAS threads still spin (``bench/bench_layer.py::test_pool_wa
    the faster (all threads only when at least ``PARALLEL_GAIN`` faster) and tries the other once every
    ``RETRY_EVERY`` calls, every ``RETRY_CLOSE`` while the two are within ``CLOSE`` of each other, so it follows
    a program whose surroundings change.
-   A call whose parallel time exceeds ``ALWAYS_PARALLEL_S`` always runs parallel (longer than any wake-up seen).
+   A call whose parallel time exceeds ``ALWAYS_PARALLEL_S`` always runs parallel, without trying a whole call on
+   one thread.
 
 Results never depend on the choice: every op and every forced attention path gives the same bits on any number
 of threads, and ``auto``'s path choice reads ``get_num_threads()``, never the measured team. The call sites'
@@ -141,8 +142,10 @@ TRIES = 4
 RETRY_EVERY = 32
 RETRY_CLOSE = 16
 CLOSE = 1.25
-#: Calls whose parallel time is above this always run parallel: no wake-up costs that much.
-ALWAYS_PARALLEL_S = 0.02
+#: Calls whose parallel time is above this always run parallel. Not lower: right after a 2-thread matmul
+#: OpenBLAS's spinning worker shares the second core for about 0.1 s, and a 21 ms prefill attention (one thread)
+#: took 21-25 ms on two there.
+ALWAYS_PARALLEL_S = 0.05
 #: All threads are chosen when their mean time is at least this fraction below one thread's: a core is left to
 #: the rest of the program when using it gains nothing measurable.
 PARALLEL_GAIN = 0.05
