@@ -38,7 +38,7 @@ def _check_scratch(*arrays):
 
 
 def _block_codegen(a_transposed: bool, scaled_accumulate: bool, k_chunk: int = 0):
-    """LLVM IR for one 6 x 16 block of C = A B (or C = alpha·C + A B), B row-major.
+    """LLVM IR for one BLOCK_ROWS x 16 block of C = A B (or C = alpha·C + A B), B row-major.
 
     A[r, kk] is a[i + r, kk] (row-major) or, with ``a_transposed``, a[kk, i + r]; B[kk, col] is b[kk, j + col];
     C[r, col] is c[i + r, j + col]; kk runs over 0 .. kdim. With ``scaled_accumulate`` the block of C is loaded,
