@@ -5,10 +5,11 @@ Both products are C[R, 16] (+)= A[R, :k] B[:k, 16] with B row-major (R = BLOCK_R
 times the Q tile transposed; the head dimension summed in runs of SCORE_CHUNK terms) and ``_block_values``
 (probabilitiesᵀ times a V tile, with the output's rescale by alpha folded into the load of C). Each keeps a
 BLOCK_ROWS x 16 block of C in registers for the whole k loop, as sgemm kernels do. On AVX2, 6 x 16: twelve ymm
-registers and twelve 8-wide FMAs per step against two B loads and six broadcasts. Where Numba's target has AVX-512 (``_simd.wide_lanes``), 16 x 16:
-sixteen zmm registers and sixteen 16-wide FMAs against one B load and sixteen broadcasts; with six rows the six FMA
-chains could not cover the FMA's latency on two ports (prefill 2048 causal, 1 thread: 16 rows took 0.82x the time
-of 6, 8 rows 0.91x, 24 rows 0.86x). Each element of C takes the same FMAs in the same order with any block.
+registers and twelve 8-wide FMAs per step against two B loads and six broadcasts. Where Numba's target has AVX-512
+(``_simd.wide_lanes``), 16 x 16: sixteen zmm registers and sixteen 16-wide FMAs against one B load and sixteen
+broadcasts; with six rows the six FMA chains could not cover the FMA's latency on two ports (prefill 2048 causal, 1
+thread: 16 rows took 0.82x the time of 6, 8 rows 0.91x, 24 rows 0.86x). Each element of C takes the same FMAs in the
+same order with any block.
 ``_values_skipping_zeros`` is ``_block_values`` without the zero weights, for V tiles holding inf or NaN.
 ``_exp_pass`` turns a tile's scores into softmax weights (``fast_exp`` of score minus max) 16 lanes wide.
 """
