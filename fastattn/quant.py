@@ -1,7 +1,7 @@
 """Q8_0 / Q4_0 kernels: ``quantize``, ``dequantize``, the row quantizer ``set_rows`` uses and the block widening
 attention uses (``widen_blocks``).
 
-Each row of 32-value blocks is quantized block by block with ggml's reference rounding (``reference/quant.py``
+Each row of 32-value blocks is quantized block by block with ggml's reference rounding (``fastattn/reference/quant.py``
 states it): the kernels compile without fastmath (``kernel(exact=True)``) so that ``d = amax / 127``, ``1 / d``
 and ``x · (1/d) + 8.5`` round exactly as the reference's float32 NumPy does (no FMA contraction, no reciprocal
 for a division); the bytes are then identical to the reference's and to the ``gguf`` package's. Float16 input

@@ -1,6 +1,6 @@
 """Attention test inputs and the naive float32 evaluation the contract's error rule compares against.
 
-Shared by the attention tests: ``naive_f32`` is the formula of ``reference/attention.py`` evaluated plainly in
+Shared by the attention tests: ``naive_f32`` is the formula of ``fastattn/reference/attention.py`` evaluated plainly in
 float32 NumPy (the "straightforward float32 evaluation" of ``fastattn.testing``), and ``make_mask`` builds the masks the
 contract lists: causal, random -inf blocks (as ggml's test-backend-ops: uniform values in [-1, 1] with masked KV
 blocks), fully masked rows and fully masked tiles.

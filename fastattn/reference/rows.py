@@ -2,7 +2,7 @@
 
 Rows are written one at a time in C order of ``src``'s rows, so with duplicate indices the last row wins.
 Values are widened exactly to float64 and rounded once to ``dst``'s dtype (round to nearest even); into a
-``Quantized`` dst, each row is quantized with ggml's reference rounding (``reference/quant.py``).
+``Quantized`` dst, each row is quantized with ggml's reference rounding (``fastattn/reference/quant.py``).
 """
 from __future__ import annotations
 
