@@ -28,6 +28,10 @@ from numba.core.errors import TypingError
 from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 
+from . import _source_cache
+
+_source_cache.install()  # before any kernel below is decorated: its cache is keyed on the package's sources
+
 from . import _notices  # noqa: F401  (installs the compile notices: one stderr line per first-use compile)
 from . import _helper_compile, _validate
 from ._simd import KERNEL_DTYPES, prefetch_line, widen
