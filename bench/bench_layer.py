@@ -29,13 +29,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import threadpoolctl
 from conftest import measure
 from numba import prange
 
 import fastattn
 from fastattn import _threads
 from fastattn._kernel import kernel
-from fastattn.jobs.blas import set_blas_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from example_layer import load_example  # noqa: E402
@@ -82,11 +82,10 @@ def example():
 def user_blas():
     """NumPy's BLAS on every core and fastattn's default thread rule while the test runs (as a user leaves
     them); back to one BLAS thread and the benchmarks' fixed rule after."""
-    set_blas_threads(os.cpu_count() or 1)
-    _threads.set_thread_rule(RULE)
-    yield
-    _threads.set_thread_rule("fixed")
-    set_blas_threads(1)
+    with threadpoolctl.threadpool_limits(os.cpu_count() or 1, user_api="blas"):
+        _threads.set_thread_rule(RULE)
+        yield
+        _threads.set_thread_rule("fixed")
 
 
 def _layer(example, n_tokens: int):

@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import threadpoolctl
 
 import fastattn
 from fastattn import _threads
-from fastattn.jobs.blas import set_blas_threads
 
 THREADS = [1, 2]
 
 # Each benchmark times its kernels at the thread count it names (bench_layer.py measures the default rule).
 _threads.set_thread_rule("fixed")
 
-# The references' matmuls would leave OpenBLAS workers spinning on the cores our prange workers need
-# (fastattn/jobs/blas.py); torch's own threads are set per benchmark below.
-set_blas_threads(1)
+# The references' matmuls would leave OpenBLAS workers spinning on the cores our prange workers need; torch's
+# own threads are set per benchmark below.
+threadpoolctl.threadpool_limits(1, user_api="blas")
 
 
 def torch_or_none():

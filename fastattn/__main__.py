@@ -123,9 +123,10 @@ def _warmup(p: argparse.ArgumentParser, args) -> int:
 
 
 def _check(p: argparse.ArgumentParser, args) -> int:
+    import threadpoolctl
+
     from . import jobs
     from .jobs import machine, report
-    from .jobs.blas import set_blas_threads
     from .jobs.progress import Progress
 
     out: TextIO = sys.stderr if args.json == "-" else sys.stdout  # with --json -, stdout carries only JSON
@@ -133,7 +134,8 @@ def _check(p: argparse.ArgumentParser, args) -> int:
         ops = jobs.select_ops(args.ops)
     except ValueError as error:
         p.error(str(error))
-    set_blas_threads(1)  # the references' idle OpenBLAS workers would steal our prange workers' cores
+    # The references' idle OpenBLAS workers would otherwise spin on the cores our prange workers need.
+    threadpoolctl.threadpool_limits(1, user_api="blas")
     thread_counts = args.threads or [_threads.get_num_threads()]
     cores = machine.cores()
     load_start = machine.load_average()

@@ -37,6 +37,8 @@ import threading
 import time
 from typing import Callable
 
+from . import _threads
+
 #: The environment variable that turns helpers off ("0").
 ENV = "FASTATTN_COMPILE_HELPERS"
 #: Seconds ``settle`` waits for a helper before compiling its kernel here (a stuck helper must not hang a call;
@@ -57,11 +59,8 @@ _pending: dict = {}  # (dispatcher, arg_types) -> (process, then, started): defe
 
 
 def usable_cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    """The cores this process may run on (a name of its own: tests replace it)."""
+    return _threads.cores()
 
 
 def enabled() -> bool:

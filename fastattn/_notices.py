@@ -4,7 +4,7 @@ A first call of an op can spend seconds to tens of seconds in Numba's compiler; 
 hang. So each top-level compile of one of fastattn's own kernels logs one line through the ``"fastattn"``
 logger when it starts, and one with the seconds it took when it ends::
 
-    fastattn: compiling rope_routes kernel fused_entry for float16 (first use; cached on disk afterwards) ...
+    fastattn: compiling rope_routes.fused_entry for float16 (first use; cached on disk afterwards) ...
     fastattn: compiled rope_routes kernel fused_entry in 6.3 s
 
 Nested compiles (helpers compiled while typing the kernel that calls them) stay silent, and so does loading a
@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 
+from numba import types
 from numba.core import event
 
 LOGGER = logging.getLogger("fastattn")
@@ -63,21 +64,22 @@ def emit(message: str, **fields) -> None:
 
 
 def describe(dispatcher, args: tuple = ()) -> str:
-    """``"<group> kernel <name>"`` for a dispatcher of a fastattn module (``fastattn._attention_tiled`` ->
-    ``attention_tiled``), followed by ``for <storage dtypes>`` of its array arguments' Numba types when any."""
+    """``"<module>.<name>"`` for a dispatcher of a fastattn module, the module's path inside the package with
+    leading underscores dropped (``fastattn._attention_tiled._task`` -> ``attention_tiled._task``), followed by
+    ``for <storage dtypes>`` of its array arguments' Numba types, tuples of arrays included, when any."""
     func = dispatcher.py_func
-    group = func.__module__.removeprefix("fastattn.").lstrip("_")
+    group = ".".join(part.lstrip("_") for part in func.__module__.removeprefix("fastattn.").split("."))
     dtypes = []
     todo = list(args)
     while todo:
         arg = todo.pop(0)
-        if hasattr(arg, "types") and not hasattr(arg, "dtype"):  # a tuple of arguments: its arrays in order
+        if isinstance(arg, types.BaseTuple):  # a tuple of arguments (a UniTuple has a dtype too): its items
             todo[:0] = arg.types
             continue
         name = _STORAGE_NAMES.get(str(getattr(arg, "dtype", "")))
         if name is not None and name not in dtypes:
             dtypes.append(name)
-    return f"{group} kernel {func.__name__}" + (f" for {', '.join(dtypes)}" if dtypes else "")
+    return f"{group}.{func.__name__}" + (f" for {', '.join(dtypes)}" if dtypes else "")
 
 
 def _ours(dispatcher) -> bool:

@@ -56,6 +56,13 @@ _default: int | None = None
 _forced = False
 
 
+def cores() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def max_threads() -> int:
     """The size of Numba's thread pool (``NUMBA_NUM_THREADS``, by default the number of CPUs)."""
     import numba

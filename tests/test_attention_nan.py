@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from attention_cases import FLOOR, naive_f32
-from fastattn.testing import assert_within_rule
+from fastattn.testing import assert_within_rule, parallel_min_bytes
 from strategies import seeds, strided, thread_counts
 
 import fastattn
@@ -29,14 +29,8 @@ POISONS = (np.nan, np.inf, -np.inf)
 
 def run(path, threads, q, k, v, mask, **params):
     """The fast path; at 2 threads even these small calls take the parallel drivers."""
-    saved = _threads.PARALLEL_MIN_BYTES
-    if threads > 1:
-        _threads.PARALLEL_MIN_BYTES = 0
-    try:
-        with fastattn.num_threads(threads):
-            return fastattn.flash_attn_ext(q, k, v, mask, path=path, **params)
-    finally:
-        _threads.PARALLEL_MIN_BYTES = saved
+    with parallel_min_bytes(0 if threads > 1 else _threads.PARALLEL_MIN_BYTES), fastattn.num_threads(threads):
+        return fastattn.flash_attn_ext(q, k, v, mask, path=path, **params)
 
 
 def bits(a):

@@ -30,7 +30,7 @@ from strategies import BFLOAT16
 @contextlib.contextmanager
 def run_on(threads: int):
     """Run on ``threads`` threads, with the parallel kernels used even for the small test shapes."""
-    with _threads.parallel_min_bytes(0 if threads > 1 else _threads.PARALLEL_MIN_BYTES):
+    with fastattn.testing.parallel_min_bytes(0 if threads > 1 else _threads.PARALLEL_MIN_BYTES):
         with fastattn.num_threads(min(threads, _threads.max_threads())):
             yield
 

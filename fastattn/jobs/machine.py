@@ -5,12 +5,7 @@ import os
 import platform
 import sys
 
-
-def cores() -> int:
-    """CPUs this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+from .._threads import cores  # noqa: F401  (the main job's record names it)
 
 
 def load_average() -> float | None:
