@@ -7,8 +7,8 @@ So every kernel of this package is cached in a directory named by a hash of all 
 is compiled again from the sources as they are.
 
 Where: ``$NUMBA_CACHE_DIR/fastattn`` when ``NUMBA_CACHE_DIR`` is set, else ``$XDG_CACHE_HOME/fastattn`` or
-``~/.cache/fastattn``; inside it ``<version>-<hash>/<sub-package>/``. Directories of other hashes not used for
-``PRUNE_AFTER_DAYS`` are removed when a new one is made. ``install()`` puts the locator first in Numba's list;
+``~/.cache/fastattn``; inside it ``<version>-<hash>/<sub-package>/``, the hash also covering the package's
+location. Directories of other hashes not used for ``PRUNE_AFTER_DAYS`` are removed when a new one is made. ``install()`` puts the locator first in Numba's list;
 kernels outside the package (or with no writable cache directory) fall back to Numba's own locators.
 """
 from __future__ import annotations
@@ -31,8 +31,11 @@ _MARK = "last-used"
 
 
 def source_hash(package_dir: Path = PACKAGE_DIR) -> str:
-    """SHA-256 (first 16 hex digits) of every keyed ``.py`` file's relative path and bytes, in path order."""
-    digest = hashlib.sha256()
+    """SHA-256 (first 16 hex digits) of the package's location and every keyed ``.py`` file's relative path and
+    bytes, in path order. The location keeps two installs of the same sources (a checkout and a wheel) apart:
+    Numba's index also records each file's timestamp, and two installs sharing a directory would keep replacing
+    each other's entries."""
+    digest = hashlib.sha256(str(package_dir).encode() + b"\0")
     for path in sorted(package_dir.rglob("*.py")):
         relative = path.relative_to(package_dir)
         if relative.parts[0] in UNKEYED:
