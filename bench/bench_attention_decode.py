@@ -28,7 +28,7 @@ from numba import prange
 
 import fastattn
 from fastattn import reference
-from fastattn._kernel import kernel, kernel_view, to_f32
+from fastattn._core.kernel import kernel, kernel_view, to_f32
 from fastattn.jobs import LAYER
 
 HQ, HKV, D = LAYER.n_head, LAYER.n_head_kv, LAYER.head_dim

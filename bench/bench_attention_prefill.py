@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from conftest import THREADS, measure, torch_or_none
-from fastattn import _attention_tiled
-from fastattn._args.attention import alibi_slopes
-from fastattn._kernel import kernel_view
+from fastattn.attention import tiled as _attention_tiled
+from fastattn.attention.args import alibi_slopes
+from fastattn._core.kernel import kernel_view
 from fastattn.jobs import LAYER
 
 B, HQ, HKV, D = 1, LAYER.n_head, LAYER.n_head_kv, LAYER.head_dim
@@ -63,9 +63,9 @@ def test_tiled(benchmark, n, kv_dtype, threads):
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("n", SIZES)
 def test_one_chunk(benchmark, n, kv_dtype, threads):
-    if importlib.util.find_spec("fastattn.attention") is None:
+    if importlib.util.find_spec("fastattn.attention.api") is None:
         pytest.skip("fastattn.attention (the one_chunk path) is not in this tree")
-    from fastattn.attention import flash_attn_ext
+    from fastattn.attention.api import flash_attn_ext
 
     q, k, v, mask = inputs(n, kv_dtype)
     out = np.empty((B, n, HQ, D), np.float32)

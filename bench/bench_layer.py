@@ -34,8 +34,8 @@ from conftest import measure
 from numba import prange
 
 import fastattn
-from fastattn import _threads
-from fastattn._kernel import kernel
+from fastattn._core import threads as _threads
+from fastattn._core.kernel import kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from example_layer import load_example  # noqa: E402

@@ -28,7 +28,7 @@ from numba import prange
 
 import fastattn
 import fastattn.reference as ref
-from fastattn._kernel import kernel
+from fastattn._core.kernel import kernel
 from fastattn.jobs import LAYER
 
 N, H, H_KV, D = LAYER.n_prefill, LAYER.n_head, LAYER.n_head_kv, LAYER.head_dim

@@ -11,7 +11,7 @@ import pytest
 import threadpoolctl
 
 import fastattn
-from fastattn import _threads
+from fastattn._core import threads as _threads
 
 THREADS = [1, 2]
 
@@ -77,7 +77,7 @@ def copy_baseline(nbytes: float):
 def _copy_kernels():
     from numba import prange
 
-    from fastattn._kernel import kernel
+    from fastattn._core.kernel import kernel
 
     @kernel
     def copy_serial(src, dst):

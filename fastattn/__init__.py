@@ -8,21 +8,22 @@ from __future__ import annotations
 
 import importlib
 
-from . import _tensors, _threads
-from ._modes import ROPE_IMROPE, ROPE_MROPE, ROPE_NEOX, ROPE_NORMAL, ROPE_VISION, RopeMode
-from ._quantized import Quantized
-from ._threads import get_num_threads, get_thread_rule, num_threads, set_num_threads, set_thread_rule
+from ._core import tensors as _tensors
+from ._core import threads as _threads
+from .rope.modes import ROPE_IMROPE, ROPE_MROPE, ROPE_NEOX, ROPE_NORMAL, ROPE_VISION, RopeMode
+from .quant.blocks import Quantized
+from ._core.threads import get_num_threads, get_thread_rule, num_threads, set_num_threads, set_thread_rule
 
 __version__ = "0.1.0"
 
-# name -> module holding the fast implementation (imported on first access, see __getattr__).
+# name -> the op package's ``api`` module, where the public function starts (imported on first access).
 _FAST_OPS = {
-    "rms_norm": ".norm", "rms_norm_mul": ".norm", "add_rms_norm_mul": ".norm",
-    "set_rows": ".rows",  # not .set_rows: a module named like the function would shadow it
-    "flash_attn_ext": ".attention",
-    "rope_ext": ".rope", "rope_cache": ".rope", "apply_rope_cache": ".rope",
-    "rope_set_rows": ".rope", "apply_rope_cache_set_rows": ".rope",
-    "quantize": ".quant", "dequantize": ".quant",
+    "rms_norm": ".norm.api", "rms_norm_mul": ".norm.api", "add_rms_norm_mul": ".norm.api",
+    "set_rows": ".rows.api",
+    "flash_attn_ext": ".attention.api",
+    "rope_ext": ".rope.api", "rope_cache": ".rope.api", "apply_rope_cache": ".rope.api",
+    "rope_set_rows": ".rope.api", "apply_rope_cache_set_rows": ".rope.api",
+    "quantize": ".quant.api", "dequantize": ".quant.api",
 }
 
 __all__ = [

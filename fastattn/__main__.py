@@ -6,7 +6,7 @@ import json
 import sys
 from typing import TextIO
 
-from . import _threads
+from ._core import threads as _threads
 
 HELP = """\
 Check every op of fastattn against its float64 NumPy reference on a Llama-3-8B-like layer, and time both.

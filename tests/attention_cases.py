@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastattn._args.attention import alibi_slopes
+from fastattn.attention.args import alibi_slopes
 
 MASK_KINDS = ("none", "causal", "blocks", "rows", "tiles")
 #: The error rule's absolute floor: outputs are convex combinations of V rows of magnitude ~1.

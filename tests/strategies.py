@@ -17,9 +17,9 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from fastattn._modes import RopeMode
-from fastattn._rope_cache import RECURRENCE_MAX_POS
-from fastattn._validate import FLOAT16, FLOAT32
+from fastattn.rope.modes import RopeMode
+from fastattn.rope.cache import RECURRENCE_MAX_POS
+from fastattn._core.validate import FLOAT16, FLOAT32
 
 try:  # fastattn takes bfloat16 from ml_dtypes once it is imported; the tests import it to draw bfloat16 arrays
     import ml_dtypes

@@ -17,9 +17,10 @@ from attention_cases import FLOOR, naive_f32
 from strategies import attention_masks, attention_variants, dims, fill, strided, thread_counts
 
 import fastattn
-from fastattn import _attention_split_kv, _threads
+from fastattn.attention import split_kv as _attention_split_kv
+from fastattn._core import threads as _threads
 from fastattn import reference
-from fastattn.attention import choose_path
+from fastattn.attention.api import choose_path
 
 PATHS = ["one_chunk", "split_kv", "tiled", "auto"]
 

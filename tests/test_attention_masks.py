@@ -14,7 +14,7 @@ from attention_cases import FLOOR, naive_f32
 
 import fastattn
 from fastattn import reference
-from fastattn._attention_rows import ROWS
+from fastattn.attention.rows import ROWS
 from fastattn.testing import assert_within_rule
 
 HQ, HKV, D = 8, 2, 64

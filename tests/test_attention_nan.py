@@ -19,8 +19,9 @@ from fastattn.testing import assert_within_rule, parallel_min_bytes
 from strategies import seeds, strided, thread_counts
 
 import fastattn
-from fastattn import _threads, reference
-from fastattn._args.attention import FLOAT32_MAX, SOFTCAP_MIN
+from fastattn import reference
+from fastattn._core import threads as _threads
+from fastattn.attention.args import FLOAT32_MAX, SOFTCAP_MIN
 
 PATHS = ["one_chunk", "split_kv", "tiled", "auto"]
 F32, F16 = np.dtype(np.float32), np.dtype(np.float16)

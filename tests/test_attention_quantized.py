@@ -21,9 +21,10 @@ from hypothesis import strategies as st
 from strategies import attention_masks, seeds, strided
 
 import fastattn
-from fastattn import _threads, reference
-from fastattn._quantized import BLOCK_BYTES
-from fastattn.attention import choose_path
+from fastattn import reference
+from fastattn._core import threads as _threads
+from fastattn.quant.blocks import BLOCK_BYTES
+from fastattn.attention.api import choose_path
 from fastattn.testing import assert_within_rule, parallel_min_bytes
 
 #: (K type, V type, mask with a row per head): both quantized of one type, and a quantized K with a float16 V.

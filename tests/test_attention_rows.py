@@ -1,4 +1,4 @@
-"""The decode paths' row arithmetic (``_attention_rows``): every variant against float64 NumPy, and the variants
+"""The decode paths' row arithmetic (``attention.rows``): every variant against float64 NumPy, and the variants
 against each other bit for bit where the module says they agree."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 
 import fastattn
 from fastattn import reference
-from fastattn import _attention_rows
-from fastattn._attention_rows import _axpy1, _axpy4, _axpy4x2, _axpy4x4, _dot1, _dot4, _dot4x2
-from fastattn import _validate
-from fastattn._kernel import kernel_view
+from fastattn.attention import rows as _attention_rows
+from fastattn.attention.rows import _axpy1, _axpy4, _axpy4x2, _axpy4x4, _dot1, _dot4, _dot4x2
+from fastattn._core import validate as _validate
+from fastattn._core.kernel import kernel_view
 from strategies import BFLOAT16
 
 
@@ -200,7 +200,7 @@ def _lane_sums(n: int, lanes: int):
     from numba import types
     from numba.extending import intrinsic
 
-    from fastattn._simd import const, hsum_any, hsum_many, load_floats
+    from fastattn._core.simd import const, hsum_any, hsum_many, load_floats
 
     @intrinsic
     def both(typingctx, x, out):

@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 
 import fastattn
 from attention_cases import FLOOR, MASK_KINDS, make_mask, naive_f32
-from fastattn import _attention_tiled as tiled
-from fastattn._args.attention import alibi_slopes
-from fastattn._kernel import _EXP_MIN as EXP_MIN
-from fastattn._kernel import KERNEL_OPTIONS, kernel_view
-from fastattn._validate import FLOAT32, admit_bfloat16
-from fastattn.quant import bytes_view
+from fastattn.attention import tiled
+from fastattn.attention.args import alibi_slopes
+from fastattn._core.kernel import _EXP_MIN as EXP_MIN
+from fastattn._core.kernel import KERNEL_OPTIONS, kernel_view
+from fastattn._core.validate import FLOAT32, admit_bfloat16
+from fastattn.quant.api import bytes_view
 from fastattn.reference import flash_attn_ext
 from fastattn.testing import assert_within_rule
 from strategies import BFLOAT16, attention_variants, seeds, strided, thread_counts
@@ -286,7 +286,7 @@ def _products(ks, qt, st_, vs, o, alpha):
 
 def _products_with_lanes(monkeypatch, lanes):
     """``_products`` compiled afresh (uncached: its assembly can be inspected) with rows of ``lanes`` floats."""
-    from fastattn import _attention_tiled_products
+    from fastattn.attention import tiled_products as _attention_tiled_products
     monkeypatch.setattr(_attention_tiled_products, "wide_lanes", lambda: lanes)
     return numba.njit(**dict(KERNEL_OPTIONS, cache=False))(_products)
 

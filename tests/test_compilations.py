@@ -11,7 +11,10 @@ import numpy as np
 from numba import types
 
 import fastattn
-from fastattn import _attention_layout, _attention_softmax, _rope_cache, rows
+from fastattn.attention import layout as _attention_layout
+from fastattn.attention import softmax as _attention_softmax
+from fastattn.rope import cache as _rope_cache
+from fastattn.rows import api as rows
 
 
 def _element_types(t):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn import _threads
+from fastattn._core import threads as _threads
 
 N_THREADS = 4
 CALLS = 25

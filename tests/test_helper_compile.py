@@ -10,8 +10,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from fastattn import _helper_compile
-from fastattn._kernel import HANDLE_TYPE, unit_address
+from fastattn._core import helper_compile as _helper_compile
+from fastattn._core.kernel import HANDLE_TYPE, unit_address
 
 #: A process with an empty Numba cache makes one fused rope_ext call (the route compiles its unit here and its
 #: entry kernel in a helper), and reports its compile notices, the result and whether the entry kernel is cached.
@@ -19,7 +19,8 @@ _CHILD = textwrap.dedent("""
     import json, logging, sys
     import numpy as np
     import fastattn
-    from fastattn import _helper_compile, _rope_routes
+    from fastattn._core import helper_compile as _helper_compile
+    from fastattn.rope import routes as _rope_routes
     from fastattn.reference import rope_ext as reference_rope_ext
     if sys.argv[1] == "failing helper":
         _helper_compile._HELPER_CODE = "import sys; sys.exit(1)"
@@ -56,7 +57,7 @@ def test_a_cold_route_compiles_its_entry_kernel_in_a_helper(tmp_path):
     helped = [m for m in messages if "fused_entry" in m]
     assert len(helped) == 2 and "in a helper process" in helped[0] and "(helper process)" in helped[1], messages
     # the unit compiled here meanwhile, between the helper's start and end
-    unit = [i for i, m in enumerate(messages) if "compiling rope_drivers._fused_tasks" in m]
+    unit = [i for i, m in enumerate(messages) if "compiling rope.drivers._fused_tasks" in m]
     assert unit and messages.index(helped[0]) < unit[0] < messages.index(helped[1])
     assert result["cached"] == [True]
     assert result["error"] < 1e-5
@@ -68,7 +69,7 @@ def test_a_failing_helper_leaves_the_compile_to_the_caller(tmp_path):
     messages = [message for _, message in result["records"]]
     # the helper's end is reported, then the entry kernel compiles here as without a helper
     ended = next(i for i, m in enumerate(messages) if "fused_entry" in m and "(helper process)" in m)
-    assert any("compiling rope_routes.fused_entry" in m and "helper" not in m for m in messages[ended:])
+    assert any("compiling rope.routes.fused_entry" in m and "helper" not in m for m in messages[ended:])
     assert result["cached"] == [True]  # this process cached it
     assert result["error"] < 1e-5
 
@@ -85,7 +86,7 @@ def test_a_deferred_units_handle_runs_nothing_until_settled(monkeypatch):
     """Until ``settle`` fills it, a deferred unit's handle matches no call: a driver run with it does nothing
     and ``check_unit`` raises (never a jump to address 0)."""
     import numba
-    from fastattn import _kernel
+    from fastattn._core import kernel as _kernel
 
     started = []
 

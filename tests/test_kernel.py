@@ -9,9 +9,9 @@ import pytest
 
 from numba import prange
 
-from fastattn._kernel import (FASTMATH, KERNEL_OPTIONS, call_any_layout, call_unit, check_unit, fast_exp, from_f32,
-                              kernel, kernel_view, to_f32, unit_address)
-from fastattn import _validate
+from fastattn._core.kernel import (FASTMATH, KERNEL_OPTIONS, call_any_layout, call_unit, check_unit, fast_exp,
+                                   from_f32, kernel, kernel_view, to_f32, unit_address)
+from fastattn._core import validate as _validate
 from strategies import BFLOAT16
 
 ALL_BITS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 import fastattn
 import fastattn.reference as ref
-from fastattn import _threads
-from fastattn._kernel import KERNEL_OPTIONS
-from fastattn._validate import FLOAT16, FLOAT32
+from fastattn._core import threads as _threads
+from fastattn._core.kernel import KERNEL_OPTIONS
+from fastattn._core.validate import FLOAT16, FLOAT32
 from strategies import STORAGE_FLOATS
 from fastattn.testing import assert_half_within_1ulp, assert_within_rule
 from strategies import dims, eps_values, fill, float_dtypes, seeds, strided, thread_counts
@@ -296,7 +296,7 @@ def test_fast_kernel_vectorises():
     """The decode path's rows, retyped contiguous, run the same 8-wide loops (uncached copy, any-layout types)."""
     from numba import types
 
-    from fastattn._dispatch import array_type
+    from fastattn._core.dispatch import array_type
     uncached = numba.njit(**dict(KERNEL_OPTIONS, cache=False))(_norm_module._norm_fast.py_func)
     signature = (array_type(FLOAT32, 2), array_type(FLOAT32, 1), array_type(FLOAT32, 2), types.float64, types.int64)
     uncached.compile(signature)

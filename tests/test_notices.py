@@ -10,7 +10,7 @@ import pytest
 from numba import types
 from numba.core import event
 
-from fastattn import _notices
+from fastattn._core import notices as _notices
 
 FIRST_CALL = """
 import logging, sys
@@ -38,9 +38,9 @@ def test_first_call_notices_then_a_cache_hit_is_silent(tmp_path):
     assert all("(first use; cached on disk afterwards) ..." in line for line in starts)
     # one line per top-level compile of a norm kernel: the helpers compiled inside it (norm's row functions,
     # _dispatch's checks, _kernel's conversions) are not announced
-    assert all(line.startswith("fastattn: compiling norm.") and " for float32 " in line for line in starts)
+    assert all(line.startswith("fastattn: compiling norm.api.") and " for float32 " in line for line in starts)
     assert not any("_norm_row" in line or "_norm_vec" in line for line in lines), first.stderr
-    ends = [line for line in lines if line.startswith("fastattn: compiled norm.")]
+    ends = [line for line in lines if line.startswith("fastattn: compiled norm.api.")]
     assert len(ends) == len(starts) and all(re.search(r" in \d+\.\d s$", line) for line in ends)
 
     second = _first_call(tmp_path)
@@ -90,33 +90,33 @@ def records():
 
 def test_nested_and_foreign_compiles_are_not_announced(records):
     listener = _notices.CompileNotices()
-    kernel = _dispatcher("fastattn._rope_routes", "fused_entry")
-    helper = _dispatcher("fastattn._rope_rotate", "rotate_rows_adjacent")
+    kernel = _dispatcher("fastattn.rope.routes", "fused_entry")
+    helper = _dispatcher("fastattn.rope.rotate", "rotate_rows_adjacent")
     args = (types.Array(types.uint16, 3, "A"), types.Array(types.int32, 1, "C"), types.float64)
     _compile(listener, kernel, args, nested=[helper])
     _compile(listener, _dispatcher("mymodel.kernels", "fused"), nested=[helper])
     assert [r.getMessage() for r in records][0] == (
-        "fastattn: compiling rope_routes.fused_entry for float16 (first use; cached on disk afterwards) ...")
+        "fastattn: compiling rope.routes.fused_entry for float16 (first use; cached on disk afterwards) ...")
     assert [r.fastattn_compile for r in records] == ["start", "end"]
-    assert records[1].getMessage().startswith("fastattn: compiled rope_routes.fused_entry for float16 in ")
+    assert records[1].getMessage().startswith("fastattn: compiled rope.routes.fused_entry for float16 in ")
     assert records[1].fastattn_seconds >= 0
 
 
 def test_bfloat16_views_and_uncached_kernels_are_named(records):
     listener = _notices.CompileNotices()
-    uncached = _dispatcher("fastattn._attention_tiled", "run")
+    uncached = _dispatcher("fastattn.attention.tiled", "run")
     uncached._cache = type("NullCache", (), {})()
     _compile(listener, uncached, (types.Array(types.float32, 4, "A"), types.Array(types.int16, 4, "A")))
     assert records[0].getMessage() == (
-        "fastattn: compiling attention_tiled.run for float32, bfloat16 (first use; not cached) ...")
+        "fastattn: compiling attention.tiled.run for float32, bfloat16 (first use; not cached) ...")
 
 
 def test_without_handlers_the_notice_goes_to_stderr(capsys, monkeypatch):
     monkeypatch.setattr(_notices.LOGGER, "propagate", False)  # no handler on the logger or above it
     assert not _notices.LOGGER.hasHandlers()
-    _compile(_notices.CompileNotices(), _dispatcher("fastattn.norm", "_norm_serial"))
+    _compile(_notices.CompileNotices(), _dispatcher("fastattn.norm.api", "_norm_serial"))
     err = capsys.readouterr().err
-    assert err.startswith("fastattn: compiling norm._norm_serial (first use; cached on disk afterwards)")
+    assert err.startswith("fastattn: compiling norm.api._norm_serial (first use; cached on disk afterwards)")
 
 
 def test_warning_level_silences_the_fallback_too(capsys, monkeypatch):
@@ -124,7 +124,7 @@ def test_warning_level_silences_the_fallback_too(capsys, monkeypatch):
     level = _notices.LOGGER.level
     _notices.LOGGER.setLevel(logging.WARNING)
     try:
-        _compile(_notices.CompileNotices(), _dispatcher("fastattn.norm", "_norm_serial"))
+        _compile(_notices.CompileNotices(), _dispatcher("fastattn.norm.api", "_norm_serial"))
     finally:
         _notices.LOGGER.setLevel(level)
     assert capsys.readouterr().err == ""
@@ -134,8 +134,8 @@ def test_tuples_of_arrays_name_their_dtypes_and_names_do_not_repeat_kernel(recor
     """A float16 call whose K and V travel in a tuple is named float16; the module path names the kernel once."""
     listener = _notices.CompileNotices()
     kv = types.UniTuple(types.Array(types.uint16, 4, "A"), 2)
-    _compile(listener, _dispatcher("fastattn._attention_group", "group_rows"), (types.Array(types.float32, 4, "A"), kv))
-    _compile(listener, _dispatcher("fastattn._kernel", "apply_threads"), (types.int64,))
+    _compile(listener, _dispatcher("fastattn.attention.group", "group_rows"), (types.Array(types.float32, 4, "A"), kv))
+    _compile(listener, _dispatcher("fastattn._core.kernel", "apply_threads"), (types.int64,))
     messages = [r.getMessage() for r in records if r.fastattn_compile == "start"]
-    assert messages[0].startswith("fastattn: compiling attention_group.group_rows for float32, float16 ")
-    assert messages[1].startswith("fastattn: compiling kernel.apply_threads (first use")
+    assert messages[0].startswith("fastattn: compiling attention.group.group_rows for float32, float16 ")
+    assert messages[1].startswith("fastattn: compiling core.kernel.apply_threads (first use")

@@ -20,10 +20,12 @@ from strategies import StridedView, has_bf16, positions, rope_configs, strided
 import fastattn
 import fastattn.reference as ref
 import fastattn.reference.rope as ref_rope
-from fastattn import _rope_drivers, _rope_rotate, _threads
-from fastattn._args import rope as rope_args
-from fastattn._rope_cache import CACHE_BLOCK
-from fastattn._validate import FLOAT16, FLOAT32
+from fastattn.rope import drivers as _rope_drivers
+from fastattn.rope import rotate as _rope_rotate
+from fastattn._core import threads as _threads
+from fastattn.rope import args as rope_args
+from fastattn.rope.cache import CACHE_BLOCK
+from fastattn._core.validate import FLOAT16, FLOAT32
 from strategies import BFLOAT16
 
 
@@ -237,7 +239,7 @@ def test_in_place_on_fused_qkv_leaves_k_v_and_surroundings_alone(dtype, threads)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_large_in_place_fused_qkv_matches_a_contiguous_copy_bytes(threads):
     """Prefill-sized in place on Q of a fused QKV buffer: the drivers prefetch two tokens ahead row by row
-    (``_rope_drivers._rows_ahead``); a hint, so the bytes are the contiguous rotation's and K, V stay as they were."""
+    (``rope.drivers._rows_ahead``); a hint, so the bytes are the contiguous rotation's and K, V stay as they were."""
     n, h, h_kv, d = 300, 8, 2, 64
     qkv = np.random.default_rng(5).standard_normal((n, (h + 2 * h_kv) * d)).astype(np.float32)
     snapshot = qkv.copy()
@@ -469,7 +471,7 @@ def test_one_and_two_threads_agree_on_a_prefill_sized_call(threads):
 def test_whole_row_lane_of_the_parallel_drivers_gives_the_serial_bytes(mode, dtype):
     """One batch, out of place, whole rows: the parallel drivers (rope_ext's fused pass, apply_rope_cache's,
     rope_set_rows' at increasing and at duplicate rows) hand each token straight to the vector code
-    (``_rope_drivers._rotate_whole``); the bytes are the serial path's."""
+    (``rope.drivers._rotate_whole``); the bytes are the serial path's."""
     if _threads.max_threads() < 2:
         pytest.skip("needs 2 threads")
     rng = np.random.default_rng(11)

@@ -1,4 +1,4 @@
-"""Every route (``fastattn/_dispatch.py``) against its op's general path, through the public test hooks.
+"""Every route (``fastattn/_core/dispatch.py``) against its op's general path, through the public test hooks.
 
 For each route, drawn calls (layouts, dtypes, in place or not, thread counts):
 
@@ -24,11 +24,11 @@ from hypothesis import strategies as st
 from strategies import ROPE_MODES, StridedView, dims, positions, rope_configs, seeds, strided
 
 import fastattn
-from fastattn import _threads
+from fastattn._core import threads as _threads
 from fastattn import reference as ref
 from fastattn.testing import forget_routes, general_only, parallel_min_bytes, routes
-from fastattn._rope_cache import CACHE_BLOCK
-from fastattn._validate import FLOAT16, FLOAT32
+from fastattn.rope.cache import CACHE_BLOCK
+from fastattn._core.validate import FLOAT16, FLOAT32
 from strategies import BFLOAT16, STORAGE_FLOATS
 
 INT32, INT64 = np.dtype(np.int32), np.dtype(np.int64)
@@ -473,7 +473,7 @@ def _signature_counts(kernels) -> list[int]:
 
 
 def _share_rope_fused():
-    from fastattn import _rope_drivers
+    from fastattn.rope import drivers as _rope_drivers
     n, h, d = 2 * CACHE_BLOCK, 2, 64
     rng = np.random.default_rng(3)
     x = rng.standard_normal((n, h, d)).astype(np.float32)
@@ -486,7 +486,7 @@ def _share_rope_fused():
 
 
 def _share_rope_cached_prefill():
-    from fastattn import _rope_drivers
+    from fastattn.rope import drivers as _rope_drivers
     n, h, d = 2 * CACHE_BLOCK, 2, 64
     x = np.random.default_rng(4).standard_normal((n, h, d)).astype(np.float16)
     cache = fastattn.rope_cache(np.arange(n, dtype=np.int32), n_dims=d, mode=NEOX)
@@ -494,7 +494,7 @@ def _share_rope_cached_prefill():
 
 
 def _share_norm():
-    from fastattn import norm
+    from fastattn.norm import api as norm
     rng = np.random.default_rng(5)
     x = rng.standard_normal((8, 64)).astype(np.float32)
     w = rng.standard_normal(64).astype(np.float16)
@@ -502,7 +502,7 @@ def _share_norm():
 
 
 def _share_set_rows():
-    from fastattn import rows
+    from fastattn.rows import api as rows
     rng = np.random.default_rng(6)
     dst = np.zeros((16, 64), np.float16)
     src = rng.standard_normal((4, 64)).astype(np.float32)
@@ -528,7 +528,8 @@ def test_a_route_and_the_general_path_share_their_compiled_kernels(make):
 def test_row_sliced_views_share_the_contiguous_rows_kernels():
     """A view whose rows lie apart but whose elements are adjacent runs the same compiled row code as a
     C-contiguous array (and vectorises)."""
-    from fastattn import norm, rows
+    from fastattn.norm import api as norm
+    from fastattn.rows import api as rows
     rng = np.random.default_rng(7)
     x = rng.standard_normal((16, 64)).astype(np.float32)
     w = np.ones(64, np.float32)

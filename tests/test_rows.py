@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 import fastattn
 import fastattn.reference as ref
-from fastattn import _threads
-from fastattn._kernel import KERNEL_OPTIONS
-from fastattn._validate import FLOAT16, FLOAT32, INDEX_INTS
+from fastattn._core import threads as _threads
+from fastattn._core.kernel import KERNEL_OPTIONS
+from fastattn._core.validate import FLOAT16, FLOAT32, INDEX_INTS
 from strategies import STORAGE_FLOATS
 from strategies import dims, fill, float_dtypes, index_sets, seeds, strided, thread_counts
 
@@ -181,7 +181,7 @@ def test_contiguous_float32_to_float16_rows_vectorise():
     compiled for any-layout arrays with adjacent rows as the general path calls it)."""
     from numba import types
 
-    from fastattn._dispatch import array_type
+    from fastattn._core.dispatch import array_type
     set_rows_module = sys.modules[fastattn.set_rows.__module__]
     uncached = numba.njit(**dict(KERNEL_OPTIONS, cache=False))(set_rows_module._set_rows_serial.py_func)
     signature = (array_type(FLOAT16, 3), array_type(FLOAT32, 3), array_type(INDEX_INTS[1], 2), types.boolean)
@@ -222,7 +222,7 @@ def test_fast_kernel_vectorises():
     """The decode path's rows, retyped contiguous, convert 8-wide (uncached copy, any-layout types)."""
     from numba import types
 
-    from fastattn._dispatch import array_type
+    from fastattn._core.dispatch import array_type
     uncached = numba.njit(**dict(KERNEL_OPTIONS, cache=False))(_rows_module._set_rows_fast.py_func)
     signature = (array_type(FLOAT16, 2), array_type(FLOAT32, 2), array_type(INDEX_INTS[1], 1), types.int64)
     uncached.compile(signature)

@@ -50,7 +50,7 @@ def test_an_edited_helper_in_another_file_takes_effect(tmp_path):
 
 
 def test_the_reference_is_not_part_of_the_key(tmp_path):
-    from fastattn import _source_cache
+    from fastattn._core import source_cache as _source_cache
 
     copy = tmp_path / "fastattn"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))

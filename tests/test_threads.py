@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import fastattn
-from fastattn import _threads
+from fastattn._core import threads as _threads
 
 
 def test_set_and_get_num_threads_round_trip():
@@ -80,7 +80,7 @@ CONCURRENT_CALLS = """
 import sys, threading
 import numpy as np
 import fastattn
-from fastattn import _threads
+from fastattn._core import threads as _threads
 
 rng = np.random.default_rng(0)
 x = rng.standard_normal((512, 1024)).astype(np.float32)
@@ -154,7 +154,7 @@ def measured_rule():
 
 
 class _Clock:
-    """Stands in for ``time`` in ``_threads`` during ``_timed_calls``: a timed block lasts exactly the seconds the
+    """Stands in for ``time`` in ``_core.threads`` during ``_timed_calls``: a timed block lasts exactly the seconds the
     test gives it, however busy the machine is (sleeps of 2.0 and 2.2 ms overshoot by more than their difference
     on a loaded machine)."""
 
@@ -273,8 +273,8 @@ def test_both_measured_choices_give_the_same_result(measured_rule, op):
 
 
 @pytest.mark.parametrize("op, module, parallel_kernel", [
-    ("set_rows", "fastattn.rows", "_set_rows_parallel"), ("rms_norm_mul", "fastattn.norm", "_norm_parallel"),
-    ("split_kv", "fastattn._attention_split_kv", "_parallel"), ("tiled", "fastattn._attention_tiled", "_run_parallel")])
+    ("set_rows", "fastattn.rows.api", "_set_rows_parallel"), ("rms_norm_mul", "fastattn.norm.api", "_norm_parallel"),
+    ("split_kv", "fastattn.attention.split_kv", "_parallel"), ("tiled", "fastattn.attention.tiled", "_run_parallel")])
 def test_the_one_thread_choice_runs_the_serial_kernel(measured_rule, monkeypatch, op, module, parallel_kernel):
     """When a call site's measured choice is one thread, the op runs the code a 1-thread call runs (its serial
     kernel), not its prange kernel on one thread."""

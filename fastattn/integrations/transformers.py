@@ -40,8 +40,8 @@ import sys
 
 import numpy as np
 
-from .._tensors import as_array
-from ..attention import flash_attn_ext
+from .._core.tensors import as_array
+from ..attention.api import flash_attn_ext
 
 #: The name ``register`` uses by default.
 DEFAULT_NAME = "fastattn"

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from .. import _threads
+from .._core import threads as _threads
 from .checks import Check
 from .progress import CompileWatch, Progress
 from .timing import Timing, time_rounds

@@ -20,7 +20,7 @@ import queue as queue_module
 import time
 from dataclasses import dataclass
 
-from .. import _helper_compile
+from .._core import helper_compile as _helper_compile
 from .progress import Progress, elapsed
 
 #: Op groups in the order their tasks are handed out: the slowest to compile first, so no worker is left with a
@@ -58,12 +58,13 @@ def tasks(cases) -> list[tuple[str, list[int]]]:
 
 def _start() -> None:
     """A no-op task: makes the pool start a worker (and import fastattn) before the real tasks are known."""
-    from .. import _notices  # noqa: F401
+    from .._core import notices as _notices  # noqa: F401
 
 
 def first_calls(op: str, indices: list[int], thread_counts: list[int], config) -> None:
     """The worker's task: the cases of ``op`` at ``indices`` at each thread count; each reported as it finishes."""
-    from .. import _notices, _threads
+    from .._core import notices as _notices
+    from .._core import threads as _threads
     from . import build, select_ops
     from .progress import CompileWatch
 

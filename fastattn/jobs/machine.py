@@ -5,7 +5,7 @@ import os
 import platform
 import sys
 
-from .._threads import cores  # noqa: F401  (the main job's record names it)
+from .._core.threads import cores  # noqa: F401  (the main job's record names it)
 
 
 def load_average() -> float | None:
@@ -42,7 +42,8 @@ def describe(thread_counts: list[int]) -> dict:
     import numba
     import numpy as np
 
-    from .. import __version__, _threads
+    from .. import __version__
+    from .._core import threads as _threads
 
     return {
         "fastattn": __version__,

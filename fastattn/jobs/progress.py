@@ -1,6 +1,6 @@
 """Progress of the main job on stderr: ``[k/N]``, the elapsed time, and a marker while a first call compiles.
 
-The compile marker comes from the compile notices (``fastattn._notices``): while the job runs, a handler on the
+The compile marker comes from the compile notices (``fastattn._core.notices``): while the job runs, a handler on the
 ``"fastattn"`` logger takes them, counts them for the case being run (its first call "compiled" or not) and shows
 them as part of the progress instead of as loose lines. On a terminal the progress is one line, rewritten; in
 a log or a pipe, one line per case and per compiling kernel.
@@ -12,7 +12,7 @@ import sys
 import time
 from typing import TextIO
 
-from .. import _notices
+from .._core import notices as _notices
 
 
 def elapsed(seconds: float) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import asdict
 
-from .. import _threads
+from .._core import threads as _threads
 from . import REFERENCE_SHARE, Result
 
 #: 2 threads are reported as slower than 1 when their median exceeds 1 thread's by more than this factor.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import prange
 
-from .._kernel import kernel
+from .._core.kernel import kernel
 
 BUFFER_BYTES = 256 << 20
 FMA_ITERATIONS = 20_000_000

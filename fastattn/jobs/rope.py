@@ -33,7 +33,7 @@ def _rule(x: np.ndarray, pos: np.ndarray, base: float):
 @register("rope")
 def rope_cases(config: Config, rng: np.random.Generator) -> list[Case]:
     import fastattn
-    from fastattn import reference as ref
+    from .. import reference as ref
 
     n, h, h_kv, d, base = config.n_prefill, config.n_head, config.n_head_kv, config.head_dim, config.rope_base
     neox = dict(n_dims=d, mode=fastattn.ROPE_NEOX, freq_base=base)

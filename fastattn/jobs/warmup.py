@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from .. import _helper_compile, _validate
+from .._core import helper_compile as _helper_compile
+from .._core import validate as _validate
 from .progress import elapsed
 from .warmup_calls import GROUPS, QUANTIZED, dtype_of
 
@@ -68,7 +69,7 @@ def units(ops: list[str] | None = None, dtypes: list[str] | None = None) -> list
 def run_unit(unit: Unit, thread_counts: list[int]) -> Done:
     """Run one unit in this process (the pool's worker entry point). Compile notices are counted, not shown:
     the parent process prints the progress."""
-    from .. import _notices
+    from .._core import notices as _notices
     from .progress import CompileWatch
     from .warmup_calls import warm
 
@@ -95,7 +96,7 @@ def run(todo: list[Unit], thread_counts: list[int], workers: int, stream: TextIO
     stream.write(f"warming {len(todo)} unit(s) on {min(workers, len(todo))} process(es), threads "
                  f"{','.join(map(str, thread_counts))}: compiling what Numba's cache does not hold yet\n")
     stream.flush()
-    # the workers keep every core compiling: no helper processes of their own (``_helper_compile``)
+    # the workers keep every core compiling: no helper processes of their own (``_core.helper_compile``)
     options = {"max_workers": workers, "mp_context": multiprocessing.get_context("spawn"),
                "initializer": _no_helpers}
     if sys.version_info >= (3, 11):

@@ -3,9 +3,9 @@
 Same names and signatures as ``fastattn``; results are rounded once at the end to the dtype the fast path
 returns (pass a float64 ``out=`` to get the unrounded values). Never imports Numba.
 """
-from fastattn._modes import ROPE_IMROPE, ROPE_MROPE, ROPE_NEOX, ROPE_NORMAL, ROPE_VISION, RopeMode
-from fastattn._quantized import Quantized
-from fastattn._tensors import accept_tensors
+from ..rope.modes import ROPE_IMROPE, ROPE_MROPE, ROPE_NEOX, ROPE_NORMAL, ROPE_VISION, RopeMode
+from ..quant.blocks import Quantized
+from .._core.tensors import accept_tensors
 
 from . import attention as _attention
 from . import norm as _norm

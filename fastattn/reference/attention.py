@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastattn._args import attention as args_attention
-from fastattn._quantized import Quantized
+from ..attention import args as args_attention
+from ..quant.blocks import Quantized
 
 from .quant import dequantize
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastattn._args import norm as _args
+from ..norm import args as _args
 
 
 def _normalise(x64: np.ndarray, eps: float) -> np.ndarray:

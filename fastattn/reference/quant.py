@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastattn._quantized import BLOCK, BLOCK_BYTES, Quantized, quantized_array, values_array
+from ..quant.blocks import BLOCK, BLOCK_BYTES, Quantized, quantized_array, values_array
 
 _F32 = np.float32
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastattn._args import rope as _args
-from fastattn._modes import RopeMode
-from fastattn._quantized import Quantized
-from fastattn._validate import STORAGE_FLOATS
+from ..rope import args as _args
+from ..rope.modes import RopeMode
+from ..quant.blocks import Quantized
+from .._core.validate import STORAGE_FLOATS
 
 from .quant import quantize
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastattn._args import rows as _args
-from fastattn._quantized import Quantized
+from ..rows import args as _args
+from ..quant.blocks import Quantized
 
 from .quant import quantize
 

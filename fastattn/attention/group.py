@@ -1,0 +1,243 @@
+"""The inner loop shared by the one_chunk and split_kv attention paths: one query row, one GQA group, a KV range.
+
+Both paths reduce to the same piece of work: for one query row and one KV head, run the online softmax of all
+``G = Hq // Hkv`` query heads of that KV head's group over KV rows ``[j0, j1)``, keeping per head a running max
+``M``, a running sum ``S`` and the unnormalised output ``A = sum_j exp(s_j - M) v_j``. Every K and V row is read
+once and serves the whole group (GQA reuse: decode attention is memory-bound, so the group's heads must share
+each row's read).
+
+The KV range is walked in blocks of ``ROWS`` rows (a block of K and V stays in L1 while every head uses it).
+Each block's mask entries are read once first (``_mask_block_kind``): a block whose mask is ``-inf`` for every
+head of the group (outside a sliding window, a padded batch entry's unused keys) is skipped, its K/V rows never
+read, and a block whose mask is all 0 is scored as if there were no mask, so a call costs what the mask lets
+through. Skipping changes nothing: a hidden block's scores are all ``-inf`` (no new max, weights 0), and adding a
+0 mask term leaves a logit as it is. The blocks then take four steps:
+
+1. mask terms ``slope_h * mask[.., h % Hm, i, j]`` go into the score scratch, ``-inf`` wherever the mask is
+   ``-inf`` (a hidden key, whatever the slope); without a mask the logits are written straight in, and the row
+   lists of steps 2 and 4 are all rows;
+2. scores: the group's heads in register blocks of 4 (the rest one by one) against pairs of K rows: one pass over
+   two rows feeds 8 dot products, float16/bfloat16 widened in registers. Rows whose mask is ``-inf``
+   for every head of the block are left out before any dot product is computed; a hidden score stays ``-inf``
+   when the row is live for another head of the block, whatever the K row holds;
+3. per head: the block max, one rescale of ``S`` and ``A`` when the max grows, ``p = fast_exp(s - M)``;
+4. ``A += p v`` with the same head blocks, V rows by fours (each accumulator is loaded and stored once per
+   four rows), then pairs; rows whose ``p`` is 0 for every head of the block are left out. With a per-head mask
+   a row some heads weigh 0 may be live for others: if its V row holds an inf or NaN it is added per head to the
+   heads that weigh it, and the block pass runs on a copy with it zeroed (``_sanitised_block``).
+
+So a hidden K or V row is never read for the heads it is hidden from, and a NaN elsewhere propagates: the max
+skips NaN scores, so a NaN is carried by ``S`` (a block whose scores are all ``-inf`` or NaN adds its NaN to
+``S``). ``finalize`` folds in the sink logit and normalises; a row with nothing live (max ``-inf``, ``S`` 0, no
+sink) gives exact zeros.
+
+The pieces live by job: ``attention.rows`` (the register-block dot products and V updates), ``attention.softmax``
+(mask terms, block weights, finalize), ``attention.nonfinite`` (V rows holding inf/NaN under per-head masks),
+``attention.stream`` (float32 decode with K and V read side by side), ``attention.layout`` (flat views) and
+``attention.quantized`` (Q8_0 / Q4_0 K/V: read in place, each block widened in registers by the row
+intrinsics).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import types
+from numba.np import numpy_support
+
+from .nonfinite import sanitised_rows
+from .quantized import row_elements, row_scratch, v_block_rows
+from .rows import ROWS, _axpy1, _axpy4, _axpy4x2, _axpy4x4, _dot1, _dot4, _dot4x2, _prefetch_row
+from .softmax import NEG_INF, _block_mask, _block_weights, _live_rows, _mask_terms, _score
+from .stream import stream_if_float32, stream_rows
+from .._core.kernel import kernel, unit_address
+
+#: Software prefetch distances: K rows this many bytes ahead of the rows being scored, V rows this many (at
+#: least the next block). With cold K/V the arithmetic of a block left too few misses in flight for the hardware
+#: prefetchers alone (decode Nkv 4096 float32, 1 thread: 5.0 -> 3.0-3.8 ms); the prefetches are spread over the
+#: dot products (a few per row pair), not issued as a burst per block, which had made the loop 15-30% slower.
+PREFETCH_K = 32768
+PREFETCH_V = 16384
+
+
+@kernel
+def load_group_queries(qf, qbase, qhs, qcs, qs):
+    """qs[g] = the query row at flat offset qbase + g * qhs (column stride qcs), for the G heads of a group."""
+    for g in range(qs.shape[0]):
+        row = qbase + g * qhs
+        for d in range(qs.shape[1]):
+            qs[g, d] = qf[row + d * qcs]
+
+
+@kernel
+def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch, streaming):
+    """Online softmax of a GQA group's heads over KV rows [j0, j1), updating ``state`` in place.
+
+    ``qs`` (G, DK): the group's query rows (query heads h0 .. h0+G). ``k_rows`` = (kf, kbase, krs, kcs): K row j
+    starts at flat offset ``kbase + j * krs`` of ``kf``, column stride ``kcs``; ``v_rows`` likewise. Mask (``mf``
+    None for no mask) with ``mask_at`` = (mbase, mhs, mcs, Hm, per_head_mask): head h, column j at
+    ``mbase + (h % Hm) * mhs + j * mcs``. ``state`` = (M, S, A): running max and sum (G,) and unnormalised output
+    (G * DV,) float32. ``scratch`` = (sc (G, ROWS) float32, rows (ROWS,) int64). ``streaming``: the rows are read
+    this once (decode), not again for other query rows: float32 K/V then take ``stream_rows``.
+    """
+    kq, kbase_q, krs_q, kcs_q = k_rows  # as stored (quantized K/V: bytes, see _attention_quantized)
+    vq, vbase_q, vrs_q, vcs_q = v_rows
+    mbase, mhs, mcs, Hm, per_head_mask = mask_at
+    M, S, A = state
+    sc, rows = scratch
+    if streaming and stream_if_float32(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state,
+                                       scratch):
+        return
+    G = qs.shape[0]
+    DK = qs.shape[1]
+    DV = A.shape[0] // G
+    # a per-head mask can hide a row from some heads of a register block and not others ("mixed" rows)
+    per_head = mf is not None and Hm > 1
+    # software prefetch of rows adjacent in memory (column stride 1) PREFETCH_K / _V bytes ahead, in the rows as
+    # stored
+    k_row = row_elements(kq, DK)
+    v_row = row_elements(vq, DV)
+    k_step = 64 // kq.itemsize
+    v_step = 64 // vq.itemsize
+    k_lines = -(-k_row // k_step) if kcs_q == 1 else 0
+    v_lines = -(-v_row // v_step) if vcs_q == 1 else 0
+    k_ahead = max(ROWS, PREFETCH_K // (k_row * kq.itemsize))
+    v_ahead = max(ROWS, PREFETCH_V // (v_row * vq.itemsize))
+    # quantized V under a per-head mask: the block's rows widened to float32 (one L1-sized block)
+    widened = row_scratch(vq, DV, per_head_mask)
+    for jb in range(j0, j1, ROWS):
+        n = min(ROWS, j1 - jb)
+        # 0. the block's mask: hidden from every head (skipped, K/V not read), all 0 (no terms) or terms to add
+        hidden, terms = _block_mask(mf, mbase, mhs, mcs, Hm, h0, G, jb, n)
+        if hidden:
+            continue
+        # 1. mask terms (the scores start from them; without terms the scores are assigned, not added)
+        if terms:
+            _mask_terms(sc, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb)
+        # K read in place (quantized rows: widened in registers by the dot products, _attention_quantized)
+        kf, kbase, krs, kcs = k_rows
+        # 2. scores, the group's heads in register blocks against pairs of K rows (g not a literal 0: _score,
+        # compiled once, would compile again for it)
+        g = np.int64(0)
+        while g < G:
+            width = 4 if G - g >= 4 else 1
+            n_live = _live_rows(sc, g, width, n, not terms, NEG_INF, rows)
+            if width == 4:
+                x = 0
+                while x + 1 < n_live:
+                    r1 = rows[x]
+                    r2 = rows[x + 1]
+                    if g == 0:
+                        # spread over the first head block's dot products (see PREFETCH_K)
+                        _prefetch_row(kq, kbase_q + (jb + k_ahead + r1) * krs_q, k_lines, k_step)
+                        _prefetch_row(kq, kbase_q + (jb + k_ahead + r2) * krs_q, k_lines, k_step)
+                        _prefetch_row(vq, vbase_q + (jb + v_ahead + r1) * vrs_q, v_lines, v_step)
+                        _prefetch_row(vq, vbase_q + (jb + v_ahead + r2) * vrs_q, v_lines, v_step)
+                    s0, s1, s2, s3, t0, t1, t2, t3 = _dot4x2(qs, g, kf, kbase + (jb + r1) * krs,
+                                                             kbase + (jb + r2) * krs, kcs)
+                    _score(sc, g, r1, s0, scale, softcap, not terms)
+                    _score(sc, g + 1, r1, s1, scale, softcap, not terms)
+                    _score(sc, g + 2, r1, s2, scale, softcap, not terms)
+                    _score(sc, g + 3, r1, s3, scale, softcap, not terms)
+                    _score(sc, g, r2, t0, scale, softcap, not terms)
+                    _score(sc, g + 1, r2, t1, scale, softcap, not terms)
+                    _score(sc, g + 2, r2, t2, scale, softcap, not terms)
+                    _score(sc, g + 3, r2, t3, scale, softcap, not terms)
+                    x += 2
+                if x < n_live:
+                    r1 = rows[x]
+                    s0, s1, s2, s3 = _dot4(qs, g, kf, kbase + (jb + r1) * krs, kcs)
+                    _score(sc, g, r1, s0, scale, softcap, not terms)
+                    _score(sc, g + 1, r1, s1, scale, softcap, not terms)
+                    _score(sc, g + 2, r1, s2, scale, softcap, not terms)
+                    _score(sc, g + 3, r1, s3, scale, softcap, not terms)
+            else:
+                for x in range(n_live):
+                    r1 = rows[x]
+                    if g == 0:
+                        _prefetch_row(kq, kbase_q + (jb + k_ahead + r1) * krs_q, k_lines, k_step)
+                        _prefetch_row(vq, vbase_q + (jb + v_ahead + r1) * vrs_q, v_lines, v_step)
+                    _score(sc, g, r1, _dot1(qs, g, kf, kbase + (jb + r1) * krs, kcs), scale, softcap, not terms)
+            g += width
+        # 3. per head: rescale to the new max, turn scores into weights
+        _block_weights(sc, n, M, S, A)
+        # V read in place, or quantized rows some head weighs widened for a per-head mask (_attention_quantized)
+        vf, vbase, vrs, vcs = v_block_rows(v_rows, DV, jb, sc, n, mf is None, rows, widened, per_head_mask)
+        # 4. A += p v, same head blocks, V rows by fours then pairs
+        g = np.int64(0)
+        while g < G:
+            width = 4 if G - g >= 4 else 1
+            n_live = _live_rows(sc, g, width, n, mf is None, np.float32(0.0), rows)
+            src = vf  # the V rows: vf, or a copy of the block without non-finite rows some head weighs 0
+            sb = vbase + jb * vrs
+            srs = vrs
+            scs = vcs
+            if width == 4 and per_head:
+                src, sb, srs, scs = sanitised_rows(per_head_mask, A, DV, sc, g, rows, n_live, n, vf, sb, vrs, vcs)
+            if width == 4:
+                x = 0
+                while x + 3 < n_live:
+                    r1 = rows[x]
+                    r2 = rows[x + 1]
+                    r3 = rows[x + 2]
+                    r4 = rows[x + 3]
+                    _axpy4x4(A, g * DV, DV, sc, g, r1, r2, r3, r4, src, sb + r1 * srs, sb + r2 * srs,
+                             sb + r3 * srs, sb + r4 * srs, scs)
+                    x += 4
+                while x + 1 < n_live:
+                    r1 = rows[x]
+                    r2 = rows[x + 1]
+                    _axpy4x2(A, g * DV, DV, sc, g, r1, r2, src, sb + r1 * srs, sb + r2 * srs, scs)
+                    x += 2
+                if x < n_live:
+                    r1 = rows[x]
+                    _axpy4(A, g * DV, DV, sc, g, r1, src, sb + r1 * srs, scs)
+            else:
+                for x in range(n_live):
+                    r1 = rows[x]
+                    _axpy1(A, g * DV, DV, sc[g, r1], src, sb + r1 * srs, scs)
+            g += width
+
+
+
+_F32_ROW = types.Array(types.float32, 1, "C")
+_F32_BLOCK = types.Array(types.float32, 2, "C")
+_handles: dict = {}
+
+
+def _rows_types(k_dtype: np.dtype, v_dtype: np.dtype, mask_dtype: np.dtype | None, per_head: bool | None) -> tuple:
+    """The types of the arguments the one_chunk and split_kv units pass ``group_rows`` but ``streaming``."""
+    def rows(dtype):
+        return types.Tuple((types.Array(numpy_support.from_dtype(dtype), 1, "C"), types.int64, types.int64,
+                            types.int64))
+    # flat_mask's array: none without a mask, else optional (its two returns unified)
+    mf = types.none if mask_dtype is None else types.Optional(
+        types.Array(numpy_support.from_dtype(mask_dtype), 1, "C"))
+    mask_at = types.Tuple((types.int64, types.int64, types.int64, types.int64,
+                           types.none if per_head is None else types.boolean))
+    return (_F32_BLOCK, rows(k_dtype), rows(v_dtype), mf, mask_at, _F32_ROW, types.int64, types.float32,
+            types.float32, types.int64, types.int64, types.UniTuple(_F32_ROW, 3),
+            types.Tuple((_F32_BLOCK, types.Array(types.int64, 1, "C"))))
+
+
+def group_rows_handle(k_dtype: np.dtype, v_dtype: np.dtype, mask_dtype: np.dtype | None,
+                      per_head: bool | None) -> np.ndarray:
+    """``group_rows``' address (``_core.kernel.unit_address``) for the argument types the one_chunk and split_kv units
+    pass it: K/V and mask kernel-view dtypes (``mask_dtype`` None: no mask), ``per_head`` None or True as the
+    units' ``per_head``. The units call it by address: linked into each unit, its code would be optimised and
+    emitted again for each (about 2 s per unit and dtype combination)."""
+    key = (k_dtype, v_dtype, mask_dtype, per_head)
+    handle = _handles.get(key)
+    if handle is None:
+        arg_types = _rows_types(k_dtype, v_dtype, mask_dtype, per_head) + (types.boolean,)
+        # its callers compile a unit and drivers next: a helper process may compile group_rows meanwhile
+        handle = _handles[key] = unit_address(group_rows, arg_types, helper=True)
+    return handle
+
+
+def stream_rows_handle() -> np.ndarray:
+    """``stream_rows``' address for the arguments the float32 decode route's unit passes it (float32 K/V, no
+    mask), which calls it by address for the same reason as ``group_rows_handle``."""
+    handle = _handles.get("stream")
+    if handle is None:
+        f32 = np.dtype(np.float32)
+        handle = _handles["stream"] = unit_address(stream_rows, _rows_types(f32, f32, None, None))
+    return handle

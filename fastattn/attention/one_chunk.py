@@ -1,0 +1,208 @@
+"""Attention path ``one_chunk``: every query row runs its own online softmax over the whole KV range.
+
+Work unit: (batch b, KV head, a chunk of ``ROW_CHUNK`` query rows). For each query row of the unit, the query
+heads of the KV head's GQA group run together over the KV rows the mask lets through
+(``attention.group.group_rows``: each K/V row is read once for the whole group; blocks hidden from every head
+are skipped unread, and rows masked ``-inf`` for every head are skipped without their dot product). Without a
+mask that is all Nkv rows; with one, a row's hidden prefix and suffix (a window, a padded batch entry) are found
+once per call (``attention.layout.mask_spans``) and left out. Then each head is normalised with its sink into ``out[b, i, h]``. Units are independent, so the parallel driver's
+threads take them in any order from a shared counter (``_core.kernel.fetch_add``), with private scratch; the serial
+driver runs the same units in a loop (small work: a parallel launch costs more than it saves, see ``_core.threads``).
+Both call the unit by address (``_core.kernel.call_unit``), so it is compiled once, not inside every driver. A unit's
+result does not depend on the thread that runs it: the output is the same for any thread count.
+
+Arrays are read flat (``attention.group.flat4``): nothing is copied but the group's query rows (G x DK floats).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import prange, types
+
+from .._core import threads as _threads
+from .group import group_rows_handle, load_group_queries
+from .layout import element_strides, flat4, flat_mask, live_range, no_sinks, spans_of
+from .rows import ROWS
+from .softmax import finalize
+from .._core.dispatch import aligned, meta, overlaps, unit_rows
+from .._core.kernel import assume_contiguous, call_any_layout, call_unit, check_unit, fetch_add, kernel, use_threads
+from .._core.validate import FLOAT32_MAX  # the largest |scale|: the fast path declines the rest, the general path raises
+
+#: Query rows per work unit: enough units to balance two threads at small Nq, few enough to amortise the scratch.
+ROW_CHUNK = 4
+
+
+#: Positions of the driver's arguments read through flat4 (q, k, v, mask, out): compiled for any layout.
+STRIDED = (0, 1, 2, 3, 8)
+
+
+@kernel(inline=True)
+def _unit_rows(rows_fn, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u):
+    """Unit ``u`` (module docstring), each query row's group run by ``rows_fn(rows, group_rows' arguments)``."""
+    B, Hq, Nq, DK = q.shape
+    Bk, Hkv, Nkv = k.shape[0], k.shape[1], k.shape[2]
+    DV = out.shape[3]  # v's last axis counts bytes when V is quantized
+    qf, qo, qst = flat4(q)
+    kf, ko, kst = flat4(k)
+    vf, vo, vst = flat4(v)
+    of, oo, ost = flat4(out)
+    mf, mo, mst, Bm, Hm = flat_mask(mask)
+    G = Hq // Hkv
+    n_row_chunks = (Nq + ROW_CHUNK - 1) // ROW_CHUNK
+    row_chunk = u % n_row_chunks
+    kvh = (u // n_row_chunks) % Hkv
+    b = u // (n_row_chunks * Hkv)
+    kb = b // (B // Bk)
+    h0 = kvh * G
+    qs = np.empty((G, DK), np.float32)
+    sc = np.empty((G, ROWS), np.float32)
+    live = np.empty(ROWS, np.int64)
+    M = np.empty(G, np.float32)
+    S = np.empty(G, np.float32)
+    A = np.empty(G * DV, np.float32)
+    kbase = ko + kb * kst[0] + kvh * kst[1]
+    vbase = vo + kb * vst[0] + kvh * vst[1]
+    for i in range(row_chunk * ROW_CHUNK, min(Nq, (row_chunk + 1) * ROW_CHUNK)):
+        load_group_queries(qf, qo + b * qst[0] + h0 * qst[1] + i * qst[2], qst[1], qst[3], qs)
+        M[:] = -np.inf
+        S[:] = 0.0
+        A[:] = 0.0
+        # the mask's hidden ends left out; np.int64(0), not a literal 0: group_rows' argument types must be
+        # split_kv's, which shares its compilation
+        j0, j1 = live_range(spans, mask, b % Bm, h0, G, Hm, i, np.int64(0), Nkv)
+        rows_fn(rows, (qs, (kf, kbase, kst[2], kst[3]), (vf, vbase, vst[2], vst[3]), mf,
+                       (mo + (b % Bm) * mst[0] + i * mst[2], mst[1], mst[3], np.int64(Hm), per_head), slopes, h0, scale,
+                       softcap, j0, j1, (M, S, A), (sc, live), Nq == 1))
+        for g in range(G):
+            finalize(M[g], S[g], A, g * DV, DV, sinks[h0 + g], of, oo + b * ost[0] + i * ost[1] + (h0 + g) * ost[2],
+                     ost[3])
+
+
+@kernel(inline=True)
+def _by_address(handle, args):
+    call_unit(handle, args)
+
+
+@kernel
+def _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u):
+    """The work unit ``u``. ``per_head``: True for a mask with a row per head, else None (then the per-head
+    handling of non-finite V rows is not compiled: ``attention.nonfinite.sanitised_rows``). ``rows``:
+    ``group_rows``' handle (``group_rows_handle``), called by address."""
+    _unit_rows(_by_address, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u)
+
+
+@kernel(inline=True)
+def _streamed(handle, args):
+    qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch, streaming = args
+    call_unit(handle, (qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch))
+
+
+@kernel
+def _stream_unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u):
+    """``_unit`` for the decode route on float32 K/V (one query row): ``stream_rows`` alone, as ``group_rows``
+    runs it for such a row, without compiling ``group_rows``' own float32 loops; ``rows`` is ``stream_rows``'
+    handle (``attention.group.stream_rows_handle``)."""
+    _unit_rows(_streamed, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u)
+
+
+#: The drivers' unit (``_core.kernel.call_any_layout``): ``_unit`` on the drivers' first twelve arguments and a unit
+#: number.
+UNIT = (_unit, tuple(range(12)), (types.int64,))
+#: The decode route's unit on float32 K/V (``attention._route_unit``).
+STREAM_UNIT = _stream_unit
+
+
+@kernel
+def _serial(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows):
+    n_units = q.shape[0] * k.shape[1] * ((q.shape[2] + ROW_CHUNK - 1) // ROW_CHUNK)
+    for u in range(n_units):
+        call_unit(unit, (q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u))
+
+
+@kernel(parallel=True)
+def _parallel(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, next_unit,
+              n_threads):
+    n_units = q.shape[0] * k.shape[1] * ((q.shape[2] + ROW_CHUNK - 1) // ROW_CHUNK)
+    # one iteration per thread, each taking units from the shared counter: decode has few units (one per KV
+    # head), and a static split leaves a thread whose core is busy elsewhere deciding the time
+    for _ in prange(n_threads):
+        u = fetch_add(next_unit)
+        while u < n_units:
+            call_unit(unit, (q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u))
+            u = fetch_add(next_unit)
+
+
+def run_one_chunk(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
+    """Fill ``out`` (B, Nq, Hq, DV) float32 with attention over q (B, Hq, Nq, DK) float32, k/v kernel views
+    (Bk, Hkv, Nkv, DK|DV) (quantized: their bytes, ``quant.bytes_view``), mask None or a kernel view
+    (Bm, Hm, Nm, Nkv), slopes (Hq,) float32, sinks None or (Hq,) float32; scale and softcap Python floats
+    (softcap 0 = off). Every input may be strided."""
+    B, Hq, Nq, DK = q.shape
+    Hkv, Nkv = k.shape[1], k.shape[2]
+    if sinks is None:
+        sinks = no_sinks(Hq)
+    sinks = np.ascontiguousarray(sinks)  # Hq floats: contiguous keeps one specialisation
+    # Each query row streams the whole K and V of its KV head (from cache after the first rows).
+    nbytes = B * Nq * Hkv * Nkv * (k.shape[3] * k.itemsize + v.shape[3] * v.itemsize)
+    n_threads = _threads.threads_for(nbytes)
+    per_head = None if mask is None or mask.shape[1] == 1 else True
+    rows = group_rows_handle(k.dtype, v.dtype, None if mask is None else mask.dtype, per_head)
+    args = (element_strides(q), element_strides(k), element_strides(v),
+            None if mask is None else element_strides(mask), slopes, sinks, np.float32(scale), np.float32(softcap),
+            out, spans_of(mask, Nq), per_head, rows)
+    with _threads.team("one_chunk", nbytes, n_threads) as launch:
+        if launch.n > 1:
+            call_any_layout(_parallel, STRIDED, *args, np.zeros(1, np.int64), launch.n, unit=UNIT)
+        else:
+            call_any_layout(_serial, STRIDED, *args, unit=UNIT)
+    check_unit(rows)
+
+
+@kernel
+def splits_decode(B, Nq, Hkv, Nkv, same_storage, n_threads, min_nkv, min_units_per_thread):
+    """``auto``'s decode rule (``attention.choose_path``): split_kv for one query row of one batch, K and V of
+    one storage type (float32 or float16), at least ``min_nkv`` rows, on several threads among which one_chunk's
+    (batch, KV head) units would not share evenly: not a multiple of the thread count and fewer than
+    ``min_units_per_thread`` per thread."""
+    units = B * Hkv
+    return (Nq == 1 and B == 1 and same_storage and Nkv >= min_nkv and n_threads > 1 and units % n_threads != 0
+            and units < min_units_per_thread * n_threads)
+
+
+@kernel
+def decode_fast(unit, rows, q, k, v, out, slopes, sinks, scale, auto_splittable, min_nkv, min_units_per_thread,
+                min_bytes, n_threads, launch_threads):
+    """The decode fast path of ``flash_attn_ext`` (``_core.dispatch``): one_chunk on q (B, Hq, 1, DK) float32 and
+    k/v kernel views, no mask, softcap or ALiBi, slopes all ones and sinks -inf (Hq,). Returns False, having
+    written nothing, unless the shapes are valid (no empty axis, DK matching, v like k, Hkv | Hq, Bk | B, out
+    (B, 1, Hq, DV)), ``auto`` would take one_chunk (``auto_splittable``: auto and K, V of one split_kv storage
+    type), scale is within float32's range, every array is aligned to its element size and out overlaps none of
+    q, k, v. ``n_threads``: the thread count ``auto``'s rule sees; ``launch_threads``: the threads to run on
+    (``_core.threads.team``'s choice) when at least ``min_bytes`` of K/V are read."""
+    B, Hq, Nq, DK = q.shape
+    Bk, Hkv, Nkv, DKk = k.shape
+    DV = v.shape[3]
+    if (Nq != 1 or B < 1 or Hq < 1 or DK < 1 or Bk < 1 or Hkv < 1 or Nkv < 1 or DV < 1 or DKk != DK
+            or v.shape[0] != Bk or v.shape[1] != Hkv or v.shape[2] != Nkv or Hq % Hkv != 0 or B % Bk != 0
+            or out.shape != (B, 1, Hq, DV) or slopes.shape[0] != Hq or sinks.shape[0] != Hq
+            or not abs(scale) <= FLOAT32_MAX):
+        return False
+    # same_storage: the variable (True here), not a literal True, which would compile splits_decode once more
+    if auto_splittable and splits_decode(B, Nq, Hkv, Nkv, auto_splittable, n_threads, min_nkv, min_units_per_thread):
+        return False
+    mq, mk, mv, mo = meta(q), meta(k), meta(v), meta(out)
+    if not (aligned(mq) and aligned(mk) and aligned(mv) and aligned(mo) and unit_rows(meta(slopes))
+            and unit_rows(meta(sinks))):
+        return False
+    if overlaps(mo, mq) or overlaps(mo, mk) or overlaps(mo, mv):
+        return False
+    slopes_c = assume_contiguous(slopes)
+    sinks_c = assume_contiguous(sinks)
+    nbytes = B * Hkv * Nkv * (DK * k.itemsize + DV * v.itemsize)
+    if launch_threads > 1 and nbytes >= min_bytes:
+        use_threads(launch_threads)
+        _parallel(unit, q, k, v, None, slopes_c, sinks_c, np.float32(scale), np.float32(0.0), out,
+                  np.zeros((1, 1, 1, 2), np.int64), None, rows, np.zeros(1, np.int64), launch_threads)
+    else:
+        _serial(unit, q, k, v, None, slopes_c, sinks_c, np.float32(scale), np.float32(0.0), out,
+                np.zeros((1, 1, 1, 2), np.int64), None, rows)
+    return True

@@ -1,0 +1,441 @@
+"""RoPE: ``rope_ext`` (every ggml mode, YaRN, freq_factors, backward), a reusable cos/sin table, and the fused
+``rope_set_rows`` that rotates K rows straight into a KV cache.
+
+Algorithm, in two passes (one module each):
+
+1. **The table** (``rope.cache``, from ``rope.pairs``' per-pair factors): cos and sin of every token's pairs,
+   computed in float64 (a vectorised polynomial after an exact reduction, and a one-step recurrence along
+   consecutive positions), scaled by mscale and stored as float32, row n = token n's cos then sin. Once per
+   (position, stream), shared by every head, and by Q and K when the caller keeps it (``rope_cache``).
+2. **The rotation** (``rope.rotate``, driven by ``rope.drivers``): every (batch, token, head) row's pairs
+   (a, b) become (a·cos − b·sin, a·sin + b·cos) in float32, every product rounded on its own (no FMA
+   contraction), so results are identical across layouts, thread counts and builds. Pairing: NORMAL (2p, 2p+1);
+   NEOX/MROPE/IMROPE (p, p + n_dims/2); VISION (p, p + n_dims), covering the whole head. Out of place the dims
+   past the rotated span are copied; in place they are left alone. A prefill on threads makes each block of
+   tokens' cos/sin in the same pass, in the thread's scratch (``drive_fused``): the values ``rope_cache`` stores.
+
+Layout: ``x`` (..., N, H, D) with any strides (Q = ``qkv[:, :H*D].reshape(N, H, D)`` of a fused projection
+output, a no-copy view) is read through its strides; leading axes are merged without a copy when NumPy can,
+otherwise looped over. float16 travels as uint16 bits (``_core.kernel.kernel_view``). Work runs serially below
+``_core.threads.PARALLEL_MIN_BYTES`` and on ``prange`` threads above it.
+
+Each public function is a guard, a route (``rope.routes``: ``rope.cached`` for a decode-sized call with a
+table, ``rope.fused`` for a prefill at one stream of int32 positions, each with its set-rows variant, and
+``rope.cached_prefill`` for a prefill with a table) and a general path that parses once and hands the parsed call
+to a route when one takes it (``_core.dispatch``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._core import threads as _threads
+from . import args as _args
+from .._core.kernel import call_any_layout, kernel_view
+from ..quant.blocks import QTYPE_CODES, Quantized
+from .cache import CACHE_BLOCK, build_cs
+from .drivers import CACHED_UNIT, FUSED_UNIT, drive_fused, drive_parallel, drive_serial
+from .quantized import FUSED_UNIT as FUSED_QUANTIZED_UNIT
+from .quantized import UNIT as QUANTIZED_UNIT
+from .quantized import rope_quantize_fused, rope_quantize_parallel, rope_quantize_serial
+from .rotate import token_layout
+from .routes import CACHED, CACHED_PREFILL, CACHED_QUANTIZED, FUSED
+from .._core.validate import STORAGE_FLOATS
+
+__all__ = ["RopeCache", "rope_cache", "apply_rope_cache", "rope_ext", "rope_set_rows", "apply_rope_cache_set_rows"]
+
+_ND = np.ndarray
+_INT32 = np.dtype(np.int32)
+#: ``drive_fused``'s array arguments typed as any layout (x, out, idx, pos and the table's arrays), as the route
+#: ``rope.fused`` types them, so that the route and these calls share one compiled ``_fused_tasks``; the drivers'
+#: other calls mark theirs the same way for the same reason.
+_FUSED_ARRAYS = (0, 1, 2, 4, 5, 6, 7, 8)
+_INT64 = np.dtype(np.int64)
+_UINT8 = np.dtype(np.uint8)
+
+
+@dataclass(frozen=True, eq=False)
+class RopeCache:
+    """cos and sin of N tokens' pairs, float32, scaled by mscale (sin negated for backward), stored side by side
+    in ``cs`` (N, 2·n_pairs); ``cos`` and ``sin`` are (N, n_pairs) views.
+
+    Build with ``rope_cache`` once per step; ``apply_rope_cache(q, cache)`` and ``apply_rope_cache(k, cache)``
+    then skip all angle work."""
+
+    cs: np.ndarray
+    params: _args.RopeParams
+    #: (n_pairs, interleaved, min_head_dim, exact_head_dim): ``_args.rope.RopeParams.pairing``
+    pairing: tuple[int, bool, int, bool]
+
+    @property
+    def n_tokens(self) -> int:
+        return self.cs.shape[0]
+
+    @property
+    def cos(self) -> np.ndarray:
+        return self.cs[:, :self.pairing[0]]
+
+    @property
+    def sin(self) -> np.ndarray:
+        return self.cs[:, self.pairing[0]:]
+
+
+def _params(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
+            freq_factors, sections, backward) -> _args.RopeParams:
+    return _args.parse_params(n_dims=n_dims, mode=mode, freq_base=freq_base, freq_scale=freq_scale,
+                              n_ctx_orig=n_ctx_orig, ext_factor=ext_factor, attn_factor=attn_factor,
+                              beta_fast=beta_fast, beta_slow=beta_slow, freq_factors=freq_factors,
+                              sections=sections, backward=backward)
+
+
+def rope_cache(pos: np.ndarray, *, n_dims: int, mode: int, freq_base: float = 10000.0, freq_scale: float = 1.0,
+               n_ctx_orig: int = 0, ext_factor: float = 0.0, attn_factor: float = 1.0, beta_fast: float = 32.0,
+               beta_slow: float = 1.0, freq_factors: np.ndarray | None = None, sections=None,
+               backward: bool = False) -> RopeCache:
+    """The cos/sin tables of ``rope_ext`` for positions ``pos`` ((N,), or (4, N) for MROPE/IMROPE/VISION).
+
+    Parameters as ``rope_ext``. Apply to any number of tensors with the same positions (Q and K) with
+    ``apply_rope_cache``."""
+    params = _params(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast,
+                     beta_slow, freq_factors, sections, backward)
+    return RopeCache(build_cs(_args.parse_pos(pos, params), params), params, params.pairing)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The general paths' drivers, for calls already parsed.
+def _as_4d(a: np.ndarray) -> np.ndarray | None:
+    """(..., N, H, D) as (B, N, H, D) without a copy, or None when the leading axes cannot merge."""
+    if a.ndim == 3:
+        return a[None]
+    if a.ndim == 4:
+        return a
+    try:
+        return a.reshape((-1,) + a.shape[-3:], copy=False)
+    except ValueError:
+        return None
+
+
+def _rotate(x: np.ndarray, out: np.ndarray, cs: np.ndarray, pairing: tuple) -> None:
+    """out = the rotation of x (..., N, H, D) by the table cs (out may be x): the route ``rope.cached`` when it
+    takes the call, else the drivers (leading axes that do not merge: one call per leading index, no copy)."""
+    if x.ndim == 3:
+        if 2 * x.nbytes < _threads.PARALLEL_MIN_BYTES:
+            if CACHED.run((x.dtype, x.dtype, 3, None), x, out, None, cs, pairing, _threads.PARALLEL_MIN_BYTES):
+                return
+        else:
+            with _team("apply_rope_cache", 2 * x.nbytes) as launch:
+                if CACHED_PREFILL.run((x.dtype,), x, out, cs, pairing, _threads.PARALLEL_MIN_BYTES, launch.n):
+                    return
+                launch.cancel()
+    x4, out4 = _as_4d(x), _as_4d(out)
+    if x4 is None or out4 is None:
+        for index in np.ndindex(*x.shape[:-4]):
+            _rotate(x[index], out[index], cs, pairing)
+        return
+    xk = kernel_view(x4)
+    ok = xk if out is x else kernel_view(out4)
+    n_pairs, interleaved = pairing[0], pairing[1]
+    nbytes = 2 * x.nbytes
+    n_threads = _threads.threads_for(nbytes) if nbytes >= _threads.PARALLEL_MIN_BYTES and xk.shape[1] > 1 else 1
+    flags = (interleaved, out is x, token_layout(xk, ok))
+    with _threads.team("apply_rope_cache", nbytes, n_threads) as launch:
+        if launch.n > 1:
+            call_any_layout(drive_parallel, (0, 1, 4), xk, ok, None, None, cs, n_pairs, *flags,
+                            np.zeros(1, np.int64), launch.n, unit=CACHED_UNIT)
+        else:
+            call_any_layout(drive_serial, (0, 1, 4), xk, ok, None, None, cs, n_pairs, *flags)
+
+
+def _last_of_duplicates(idx: np.ndarray) -> np.ndarray:
+    """keep[i]: token i's row is the last write to idx[i] (what the parallel drivers write; the last row wins)."""
+    n_tokens = idx.shape[0]
+    keep = np.zeros(n_tokens, np.bool_)
+    if np.all(idx[1:] > idx[:-1]):  # the usual consecutive cache slots: no duplicates, no sort needed
+        keep[:] = True
+    else:
+        _, last_from_end = np.unique(idx[::-1], return_index=True)
+        keep[n_tokens - 1 - last_from_end] = True
+    return keep
+
+
+def _write_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, params: _args.RopeParams,
+                cs: np.ndarray | None = None, pos: np.ndarray | None = None) -> None:
+    """Rotate x's rows (N, H, D) into dst3[idx] (R, H, D): with the table ``cs``, or (cs None) with cos/sin made
+    from ``pos`` (streams, N): on threads inside the same pass, serially by making the table first."""
+    n_tokens = x.shape[0]
+    xk, dk = kernel_view(x), kernel_view(dst3)
+    nbytes = x.nbytes + x.size * dst3.itemsize
+    n_threads = _threads.threads_for(nbytes) if n_tokens > 1 and nbytes >= _threads.PARALLEL_MIN_BYTES else 1
+    n_pairs, interleaved = params.pairing[0], params.pairing[1]
+    layout = token_layout(xk, dk)
+    x1 = xk[None]  # (1, N, H, D): the drivers step through axis 1
+    with _threads.team("rope_set_rows", nbytes, n_threads) as launch:
+        if launch.n == 1:  # in order, every token writes: the last duplicate wins
+            if cs is None:
+                cs = build_cs(pos, params)
+            call_any_layout(drive_serial, (0, 1, 2, 4), x1, dk, idx, np.ones(n_tokens, np.bool_), cs, n_pairs,
+                            interleaved, False, layout)
+            return
+        keep = _last_of_duplicates(idx)
+        next_task = np.zeros(1, np.int64)
+        if cs is not None:
+            call_any_layout(drive_parallel, (0, 1, 2, 4), x1, dk, idx, keep, cs, n_pairs, interleaved, False,
+                            layout, next_task, launch.n, unit=CACHED_UNIT)
+        else:
+            table = params.table
+            call_any_layout(drive_fused, _FUSED_ARRAYS, x1, dk, idx, keep, pos, table.streams, table.w,
+                            table.step_cos, table.step_sin, table.cos_scale, table.sin_scale, interleaved, False,
+                            layout, next_task, launch.n, unit=FUSED_UNIT)
+
+
+#: Positions of rope_quantize_fused's arguments typed any layout: x, the cache's bytes, idx, the positions and the
+#: table's arrays (as ``build_cs`` and the float drivers pass them: they share ``cache_block``'s compilation).
+_FUSED_QUANTIZED_ARRAYS = (0, 1, 2, 4, 5, 6, 7, 8)
+
+
+def _write_quantized(dst: Quantized, data3: np.ndarray, x: np.ndarray, idx: np.ndarray, params: _args.RopeParams, *,
+                     streams: np.ndarray | None = None, cs: np.ndarray | None = None) -> None:
+    """Rotate x's rows (N, H, D) and quantize them into rows idx of a quantized cache (``rope.quantized``);
+    ``data3`` its bytes as (R, H, bytes per head row). The cos/sin: a prebuilt table ``cs``, or made from the
+    positions ``streams`` (streams, N), on threads inside the parallel pass."""
+    n_tokens = x.shape[0]
+    nbytes = x.nbytes + x.size
+    n_threads = _threads.threads_for(nbytes) if n_tokens > 1 else 1
+    code = QTYPE_CODES[dst.qtype]
+    if cs is None and n_threads == 1:  # on threads the tasks make their own rows (rope_quantize_fused)
+        cs = build_cs(streams, params)
+    if (n_threads == 1 and idx.ndim == 1 and nbytes < _threads.PARALLEL_MIN_BYTES
+            and CACHED_QUANTIZED.run((x.dtype, dst.ndim, idx.dtype), x, dst.data, idx, cs, params.pairing, code,
+                                     _threads.PARALLEL_MIN_BYTES)):
+        return
+    xk = kernel_view(x)
+    layout = token_layout(xk, np.empty((1, x.shape[1], x.shape[2]), np.float32))  # into a C scratch
+    with _threads.team("rope_set_rows_quantized", nbytes, n_threads) as launch:
+        if launch.n == 1:  # in order, every token writes: the last duplicate wins
+            if cs is None:
+                cs = build_cs(streams, params)
+            call_any_layout(rope_quantize_serial, (0, 1, 2), xk, data3, idx, np.ones(n_tokens, np.bool_), cs,
+                            params.pairing[0], params.pairing[1], layout, code)
+        elif cs is None:  # the tasks make their own cos/sin rows
+            table = params.table
+            call_any_layout(rope_quantize_fused, _FUSED_QUANTIZED_ARRAYS, xk, data3, idx, _last_of_duplicates(idx),
+                            streams, table.streams, table.w, table.step_cos, table.step_sin, table.cos_scale,
+                            table.sin_scale, params.pairing[1], layout, code, np.zeros(1, np.int64), launch.n,
+                            unit=FUSED_QUANTIZED_UNIT)
+        else:
+            call_any_layout(rope_quantize_parallel, (0, 1, 2), xk, data3, idx, _last_of_duplicates(idx), cs,
+                            params.pairing[0], params.pairing[1], layout, code, np.zeros(1, np.int64), launch.n,
+                            unit=QUANTIZED_UNIT)
+
+
+def _team(op: str, nbytes: int) -> _threads.Launch:
+    """The measured team of a route whose ``prange`` driver takes its thread count (see ``_core.threads.team``); the
+    route declines calls below ``PARALLEL_MIN_BYTES`` itself (the caller then cancels)."""
+    return _threads.team(op, nbytes, _threads.get_num_threads() if nbytes >= _threads.PARALLEL_MIN_BYTES else 1)
+
+
+def _fused_fits(x: np.ndarray, pos: np.ndarray, params: _args.RopeParams) -> bool:
+    """A parsed call the route ``rope.fused`` may take: 3-D x of one token or more, one stream of int32 positions
+    (NORMAL or NEOX: the other modes' sections need four)."""
+    return (x.ndim == 3 and x.shape[0] > 0 and pos.ndim == 1 and pos.dtype == _INT32
+            and params.n_streams == 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public API.
+def apply_rope_cache(x: np.ndarray, cache: RopeCache, *, out: np.ndarray | None = None) -> np.ndarray:
+    """Rotate ``x`` (..., N, H, D), float32 or float16, any strides, by a prebuilt ``cache`` of N tokens.
+
+    ``out``: None (a new array of ``x``'s dtype), ``x`` itself (in place; dims past the rotated ones untouched),
+    or an array of ``x``'s shape and dtype, possibly strided. Returns the array written."""
+    if cache.__class__ is not RopeCache:
+        raise _args.cache_error(cache, "fastattn.rope_cache")
+    if x.__class__ is _ND and x.ndim == 3 and (out is None or (out.__class__ is _ND and out.ndim == 3
+                                                           and out.dtype is x.dtype and out.flags.writeable)):
+        if 2 * x.nbytes < _threads.PARALLEL_MIN_BYTES:  # the routes (see _dispatch)
+            entry = CACHED.get((x.dtype, x.dtype, 3, None))
+            if entry is not None:
+                y = np.empty(x.shape, x.dtype) if out is None else out
+                if entry(x, y, None, cache.cs, cache.pairing, _threads.PARALLEL_MIN_BYTES):
+                    return y
+        else:
+            entry = CACHED_PREFILL.get((x.dtype,))
+            if entry is not None:
+                y = np.empty(x.shape, x.dtype) if out is None else out
+                with _team("apply_rope_cache", 2 * x.nbytes) as launch:
+                    if entry(x, y, cache.cs, cache.pairing, _threads.PARALLEL_MIN_BYTES, launch.n):
+                        return y
+                    launch.cancel()
+    _args.parse_x(x)
+    cache.params.check_head_dim("x", x.shape[-1])
+    if x.shape[-3] != cache.n_tokens:
+        raise ValueError(f"x must have one token per cached position: {cache.n_tokens}, got {x.shape[-3]}")
+    _args.parse_out(out, x, dtypes=(x.dtype,), reads=(("cache", cache.cs),))
+    y = np.empty(x.shape, x.dtype) if out is None else out
+    _rotate(x, y, cache.cs, cache.pairing)
+    return y
+
+
+def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_base: float = 10000.0,
+             freq_scale: float = 1.0, n_ctx_orig: int = 0, ext_factor: float = 0.0, attn_factor: float = 1.0,
+             beta_fast: float = 32.0, beta_slow: float = 1.0, freq_factors: np.ndarray | None = None,
+             sections=None, backward: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+    """Rotary position embedding with ggml's semantics.
+
+    x: (..., N, H, D) float32 or float16, any strides. pos: int32 (N,), or (4, N) (streams t, h, w, e) for
+    ROPE_MROPE / ROPE_IMROPE / ROPE_VISION. n_dims: rotated dims (even, <= D; VISION: D/2). mode: a ROPE_*
+    constant. freq_factors: (n_pairs,) divisors of theta (llama3 scaling). sections: 4 ints for the
+    multi-position modes. backward: the inverse rotation. out: None, ``x`` (in place) or an array like ``x``.
+    Returns the rotated array, ``x``'s dtype."""
+    if (sections is None and x.__class__ is _ND and pos.__class__ is _ND and x.ndim == 3 and pos.ndim == 1
+            and pos.dtype is _INT32 and x.shape[0] > 0 and (out is None or (
+                out.__class__ is _ND and out.ndim == 3 and out.dtype is x.dtype and out.flags.writeable))):
+        entry = FUSED.get((x.dtype, x.dtype, 3, None))  # the route (see _dispatch)
+        params = None if entry is None or _overlaps_factors(out, freq_factors) else _args.known_params(
+            n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
+            freq_factors, sections, backward)
+        # the plan's table has n_dims entries: made only for parameters that fit this head (else the general
+        # path's error, without building a table as large as a hostile n_dims)
+        if params is not None and params.n_dims <= x.shape[2]:
+            y = np.empty(x.shape, x.dtype) if out is None else out
+            with _team("rope_ext", 2 * x.nbytes) as launch:
+                if entry(x, y, None, pos, params.plan, _threads.PARALLEL_MIN_BYTES, launch.n):
+                    return y
+                launch.cancel()
+    params = _params(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast,
+                     beta_slow, freq_factors, sections, backward)
+    _args.parse_x(x)
+    params.check_head_dim("x", x.shape[-1])
+    streams = _args.parse_pos(pos, params, x.shape[-3])
+    out = _args.parse_out(out, x, dtypes=(x.dtype,), reads=(("pos", pos), ("freq_factors", freq_factors)))
+    y = np.empty(x.shape, x.dtype) if out is None else out
+    nbytes = 2 * x.nbytes
+    if _fused_fits(x, pos, params):
+        with _team("rope_ext", nbytes) as launch:
+            if FUSED.run((x.dtype, x.dtype, 3, None), x, y, None, pos, params.plan, _threads.PARALLEL_MIN_BYTES,
+                         launch.n):
+                return y
+            launch.cancel()
+    if nbytes >= _threads.PARALLEL_MIN_BYTES and x.shape[-3] >= 2 * CACHE_BLOCK:
+        n_threads = _threads.threads_for(nbytes)
+        x4, y4 = _as_4d(x), _as_4d(y)
+        if n_threads > 1 and x4 is not None and y4 is not None:  # one pass: cos/sin made per block of tokens
+            xk = kernel_view(x4)
+            yk = xk if y is x else kernel_view(y4)
+            table = params.table
+            with _threads.team("rope_ext", nbytes, n_threads) as launch:
+                call_any_layout(drive_fused, _FUSED_ARRAYS, xk, yk, None, None, streams, table.streams, table.w,
+                                table.step_cos, table.step_sin, table.cos_scale, table.sin_scale,
+                                params.interleaved, y is x, token_layout(xk, yk), np.zeros(1, np.int64), launch.n,
+                                unit=FUSED_UNIT)
+            return y
+    _rotate(x, y, build_cs(streams, params), params.pairing)
+    return y
+
+
+def _overlaps_factors(out: np.ndarray | None, freq_factors) -> bool:
+    """``out`` shares memory with ``freq_factors``: the route reads its copy in the parameters' plan, so such a
+    call is left to the general path, which refuses it."""
+    return out is not None and freq_factors is not None and np.may_share_memory(out, freq_factors)
+
+
+def _fused_rows(dst: np.ndarray, x: np.ndarray) -> np.ndarray | None:
+    """The (R, H, D) rows of a cache ``dst`` for K rows ``x`` (N, H, D), as the fused route takes them: ``dst``
+    itself, or a view of an (R, H·D) one. The route is compiled for 3-D caches and int64 indices only (its
+    callers convert, a copy of N indices), not once per cache shape and index type. None when ``dst`` has no
+    such view (the general path then says what is wrong)."""
+    if dst.ndim == 3:
+        return dst
+    if dst.ndim == 2 and dst.shape[1] == x.shape[1] * x.shape[2] and dst.flags.c_contiguous:
+        return dst.reshape(dst.shape[0], x.shape[1], x.shape[2])
+    return None
+
+
+def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarray, *, n_dims: int, mode: int,
+                  freq_base: float = 10000.0, freq_scale: float = 1.0, n_ctx_orig: int = 0,
+                  ext_factor: float = 0.0, attn_factor: float = 1.0, beta_fast: float = 32.0,
+                  beta_slow: float = 1.0, freq_factors: np.ndarray | None = None, sections=None,
+                  backward: bool = False) -> np.ndarray:
+    """Fused ``set_rows(dst, rope_ext(x, pos, ...), idx)``: rotate K rows and write them into a KV cache.
+
+    dst: (R, H, D) or (R, H·D) float32 / float16 / bfloat16 cache (token-major), or a ``Quantized`` one of that
+    logical shape (Q8_0 / Q4_0, D a multiple of 32: each head row quantized as ``set_rows`` does). x: (N, H, D)
+    float32 or float16, any strides. idx: int32/int64 (N,) rows of ``dst``, each in [0, R) (else ValueError,
+    nothing written); duplicates: the last wins. Returns ``dst``."""
+    if (sections is None and dst.__class__ is _ND and x.__class__ is _ND and pos.__class__ is _ND
+            and idx.__class__ is _ND and x.ndim == 3 and pos.ndim == 1 and pos.dtype is _INT32 and idx.ndim == 1
+            and x.shape[0] > 0 and dst.flags.writeable):
+        entry = FUSED.get((x.dtype, dst.dtype, 3, _INT64))  # the route (see _dispatch)
+        rows = None if entry is None else _fused_rows(dst, x)
+        # int32 indices are copied: the entry could no longer see them overlap dst, so that case is left to the
+        # general path, which refuses it, as it refuses every other index dtype
+        idx64 = (idx if idx.dtype is _INT64 else idx.astype(_INT64)
+                 if idx.dtype is _INT32 and not np.may_share_memory(idx, dst) else None)
+        params = None if rows is None or idx64 is None or _overlaps_factors(dst, freq_factors) else _args.known_params(
+            n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
+            freq_factors, sections, backward)
+        if params is not None and params.n_dims <= x.shape[2]:  # as in rope_ext
+            with _team("rope_set_rows", x.size * (x.itemsize + dst.itemsize)) as launch:
+                if entry(x, rows, idx64, pos, params.plan, _threads.PARALLEL_MIN_BYTES, launch.n):
+                    return dst
+                launch.cancel()
+    params = _params(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast,
+                     beta_slow, freq_factors, sections, backward)
+    dst3, idx = _args.parse_set_rows(dst, x, idx, params, dst_dtypes=STORAGE_FLOATS,
+                                     reads=(("pos", pos), ("freq_factors", freq_factors)))
+    streams = _args.parse_pos(pos, params, x.shape[0])
+    if x.shape[0] == 0:
+        return dst
+    if dst.__class__ is Quantized:
+        _write_quantized(dst, dst3, x, idx, params, streams=streams)
+        return dst
+    if _fused_fits(x, pos, params):
+        with _team("rope_set_rows", x.size * (x.itemsize + dst.itemsize)) as launch:
+            if FUSED.run((x.dtype, dst.dtype, 3, _INT64), x, dst3, idx.astype(_INT64, copy=False), pos, params.plan,
+                         _threads.PARALLEL_MIN_BYTES, launch.n):
+                return dst
+            launch.cancel()
+    if x.size * (x.itemsize + dst.itemsize) < _threads.PARALLEL_MIN_BYTES:
+        cs = build_cs(streams, params)
+        if not CACHED.run((x.dtype, dst.dtype, dst.ndim, idx.dtype), x, dst, idx, cs, params.pairing,
+                          _threads.PARALLEL_MIN_BYTES):
+            _write_rows(dst3, x, idx, params, cs=cs)
+        return dst
+    _write_rows(dst3, x, idx, params, pos=streams)
+    return dst
+
+
+def apply_rope_cache_set_rows(dst: np.ndarray, x: np.ndarray, cache: RopeCache, idx: np.ndarray) -> np.ndarray:
+    """``rope_set_rows`` with a prebuilt ``cache`` (the one a decode step builds once for Q and K): rotate K rows
+    ``x`` (N, H, D) and write them into rows ``idx`` of ``dst`` ((R, H, D) or (R, H·D), an ndarray or a
+    ``Quantized``). Returns ``dst``."""
+    if cache.__class__ is not RopeCache:
+        raise _args.cache_error(cache, "fastattn.rope_cache")
+    if x.__class__ is _ND and idx.__class__ is _ND and x.ndim == 3 and idx.ndim == 1:  # the routes (see _dispatch)
+        if dst.__class__ is _ND:
+            if dst.flags.writeable and (dst.ndim == 2 or dst.ndim == 3):
+                entry = CACHED.get((x.dtype, dst.dtype, dst.ndim, idx.dtype))
+                if entry is not None and entry(x, dst, idx, cache.cs, cache.pairing, _threads.PARALLEL_MIN_BYTES):
+                    return dst
+        elif dst.__class__ is Quantized:
+            data, code = dst.data, QTYPE_CODES.get(dst.qtype)  # both checked again: the attributes can be reassigned
+            if (data.__class__ is _ND and data.dtype is _UINT8 and (data.ndim == 2 or data.ndim == 3)
+                    and data.flags.writeable):
+                entry = CACHED_QUANTIZED.get((x.dtype, data.ndim, idx.dtype))
+                if entry is not None and code is not None and entry(x, data, idx, cache.cs, cache.pairing, code,
+                                                                    _threads.PARALLEL_MIN_BYTES):
+                    return dst
+    dst3, idx = _args.parse_set_rows(dst, x, idx, cache.params, dst_dtypes=STORAGE_FLOATS,
+                                     reads=(("cache", cache.cs),))
+    if x.shape[0] != cache.n_tokens:
+        raise ValueError(f"x must have one token per cached position: {cache.n_tokens}, got {x.shape[0]}")
+    if dst.__class__ is Quantized:
+        if x.shape[0]:
+            _write_quantized(dst, dst3, x, idx, cache.params, cs=cache.cs)
+        return dst
+    small = x.size * (x.itemsize + dst.itemsize) < _threads.PARALLEL_MIN_BYTES
+    if x.shape[0] and not (small and CACHED.run((x.dtype, dst.dtype, dst.ndim, idx.dtype), x, dst, idx, cache.cs,
+                                                cache.pairing, _threads.PARALLEL_MIN_BYTES)):
+        _write_rows(dst3, x, idx, cache.params, cs=cache.cs)
+    return dst

@@ -1,0 +1,2 @@
+"""SET_ROWS (``set_rows``) into float and quantized caches: ``api`` and ``args``.
+"""

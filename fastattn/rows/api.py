@@ -1,0 +1,253 @@
+"""SET_ROWS (a KV-cache write): row ``i`` of ``src`` goes to row ``idx[i]`` of ``dst``, converted to dst's dtype.
+
+Layout: the leading axes are merged into one (``_core.layout.merge_leading``, never a copy), so the kernels see
+``dst`` (B, R, D), ``src`` (B, n, D) and ``idx`` (I, n) with ``I`` dividing ``B``: batch ``b`` reads index row
+``b % I``. Half-precision arrays enter as 16-bit integer views; each element is widened with ``to_f32`` and
+narrowed with ``from_f32`` (``vcvtph2ps`` / ``vcvtps2ph``: round to nearest even, bit-exact with NumPy's astype).
+
+Checks first: the kernel scans every index before its first write and returns the position of a bad one, so an
+out-of-range index leaves ``dst`` untouched.
+
+Threads: a few rows (a decode step writes one) run serially. Many rows run on ``prange`` workers that split the
+work by *destination*: worker ``t`` writes exactly the rows whose destination hashes to ``t``, visiting ``src``
+rows in order. All writes to one destination row therefore happen on one worker in source order, so with
+duplicate indices the last row wins, as in ggml. The hash is Fibonacci hashing of the destination row: the
+fractional part of ``row * golden ratio`` spreads any arithmetic progression of slots (consecutive, every other
+one, ...) evenly over the workers. Each worker scans all ``n`` indices, which is cheap next to the row copies.
+
+Decode-sized calls (2-D ``dst``, 1-D ``idx``) take the route ``set_rows.rows`` (``_core.dispatch``): ``_set_rows_fast``'s
+entry point, with the checks in the kernel; it declines a bad index, which the general path then reports. Into a
+2-D ``Quantized`` dst they take ``set_rows.quantized`` (``_set_quantized_fast``, on its bytes) the same way.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import prange, types
+
+from .._core import layout as _layout
+from .._core import threads as _threads
+from . import args as _args
+from .._core.dispatch import Route, array_type, rows_writable
+from .._core.kernel import (adjacent_rows, assume_contiguous, call_any_layout, from_f32, kernel, kernel_view, rows_if,
+                            to_f32)
+from ..quant.blocks import QTYPE_CODES, Quantized
+from ..quant.api import blocks_fill, quantize_row
+
+_ND = np.ndarray
+_UINT8 = np.dtype(np.uint8)
+_ANY3 = (0, 1, 2)  # the drivers' dst, src and idx, typed any layout (``call_any_layout``)
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio
+
+
+@kernel
+def _first_bad(idx, n_rows):
+    """Flat position of the first index outside [0, n_rows), or -1."""
+    for k in range(idx.shape[0]):
+        row = idx[k]
+        for i in range(row.shape[0]):
+            if row[i] < 0 or row[i] >= n_rows:
+                return k * row.shape[0] + i
+    return -1
+
+
+@kernel
+def _copy_row(src_row, dst_row):
+    for j in range(src_row.shape[0]):
+        dst_row[j] = from_f32(to_f32(src_row[j]), dst_row)
+
+
+@kernel
+def _owner(row, n_workers):
+    """Fibonacci hash of a destination row to a worker in [0, n_workers)."""
+    mixed = (np.uint64(row) * _GOLDEN) >> np.uint64(32)
+    return np.int64((mixed * np.uint64(n_workers)) >> np.uint64(32))
+
+
+# The drivers take any-layout arrays and ``adjacent`` (``_core.kernel.adjacent_rows``): at most two compiled drivers
+# per dtype combination; with adjacent elements the rows are retyped contiguous and the conversion vectorises
+# (the route's calls share that compiled ``_copy_row``).
+@kernel
+def _set_rows_serial(dst, src, idx, adjacent):
+    bad = _first_bad(idx, dst.shape[1])
+    if bad >= 0:
+        return bad
+    for b in range(src.shape[0]):
+        rows = idx[b % idx.shape[0]]
+        for i in range(src.shape[1]):
+            _copy_row(rows_if(src[b, i], adjacent), rows_if(dst[b, rows[i]], adjacent))
+    return -1
+
+
+@kernel(parallel=True)
+def _set_rows_parallel(dst, src, idx, adjacent, n_workers):
+    bad = _first_bad(idx, dst.shape[1])
+    if bad >= 0:
+        return bad
+    n_rows = dst.shape[1]
+    for t in prange(n_workers):
+        for b in range(src.shape[0]):
+            rows = idx[b % idx.shape[0]]
+            for i in range(src.shape[1]):
+                if _owner(b * n_rows + rows[i], n_workers) == t:
+                    _copy_row(rows_if(src[b, i], adjacent), rows_if(dst[b, rows[i]], adjacent))
+    return -1
+
+
+@kernel
+def _set_rows_fast(dst, src, idx, max_bytes):
+    """The entry kernel of route ``set_rows.rows`` (``_core.dispatch``): dst (R, D), src (n, D), idx (n,). Returns
+    False, having written nothing, unless the shapes match, fewer than ``max_bytes`` move, dst and src have
+    aligned unit-stride rows, idx is aligned, dst overlaps neither src nor idx and every index is in [0, R)."""
+    n, d = src.shape
+    if (idx.shape[0] != n or dst.shape[1] != d or n * d * (src.itemsize + dst.itemsize) >= max_bytes
+            or not rows_writable(dst, src, idx)):
+        return False
+    for i in range(n):  # rows retyped contiguous: the conversion vectorises
+        _copy_row(assume_contiguous(src[i]), assume_contiguous(dst[idx[i]]))
+    return True
+
+
+@kernel(exact=True)
+def _set_quantized_serial(data, src, idx, code):
+    """``_set_rows_serial`` into quantized rows: each src row quantized straight into its destination's bytes."""
+    bad = _first_bad(idx, data.shape[1])
+    if bad >= 0:
+        return bad
+    for b in range(src.shape[0]):
+        rows = idx[b % idx.shape[0]]
+        for i in range(src.shape[1]):
+            quantize_row(src[b, i], data[b, rows[i]], code)
+    return -1
+
+
+@kernel(parallel=True, exact=True)
+def _set_quantized_parallel(data, src, idx, code, n_workers):
+    """``_set_rows_parallel`` into quantized rows (workers own destination rows: the last duplicate wins)."""
+    bad = _first_bad(idx, data.shape[1])
+    if bad >= 0:
+        return bad
+    n_rows = data.shape[1]
+    for t in prange(n_workers):
+        for b in range(src.shape[0]):
+            rows = idx[b % idx.shape[0]]
+            for i in range(src.shape[1]):
+                if _owner(b * n_rows + rows[i], n_workers) == t:
+                    quantize_row(src[b, i], data[b, rows[i]], code)
+    return -1
+
+
+@kernel(exact=True)
+def _set_quantized_fast(data, src, idx, code, max_bytes):
+    """The entry kernel of route ``set_rows.quantized`` (``_core.dispatch``): data (R, row bytes) the blocks of a
+    quantized dst of type ``code``, src (n, D), idx (n,). Returns False, having written nothing, unless D values
+    fill a data row, the shapes match, fewer than ``max_bytes`` move, data and src have aligned unit-stride rows,
+    idx is aligned, data overlaps neither src nor idx and every index is in [0, R). Rows in order: the last of
+    duplicate indices wins."""
+    n, d = src.shape
+    if (idx.shape[0] != n or not blocks_fill(d, data.shape[1], code) or n * d * (src.itemsize + 1) >= max_bytes
+            or not rows_writable(data, src, idx)):
+        return False
+    for i in range(n):
+        quantize_row(assume_contiguous(src[i]), data[idx[i]], code)
+    return True
+
+
+def _quantized_route_types(src_dtype, idx_dtype) -> tuple:
+    return array_type(_UINT8, 2), array_type(src_dtype, 2), array_type(idx_dtype, 1), types.int64, types.int64
+
+
+#: Decode-sized calls into a quantized dst of 2 axes (its bytes (R, row bytes)), keyed on (src, idx) dtypes.
+_quantized_route = Route("set_rows.quantized", _set_quantized_fast, _quantized_route_types)
+
+
+def _set_rows_quantized(dst: Quantized, src: np.ndarray, idx: np.ndarray) -> Quantized:
+    n_rows = dst.shape[-2]
+    n_workers = _threads.threads_for(src.size * (src.itemsize + 1))
+    code = QTYPE_CODES[dst.qtype]
+    if (dst.ndim == 2 and idx.ndim == 1 and n_workers == 1
+            and _quantized_route.run((src.dtype, idx.dtype), dst.data, src, idx, code, _threads.PARALLEL_MIN_BYTES)):
+        return dst
+    blocks = _layout.merge_leading([dst.data, kernel_view(src)], [idx[(None,) * (src.ndim - 1 - idx.ndim)]],
+                                   src.ndim - 2)
+    if len(blocks) > 1:  # checked up front: the per-block kernel checks would come after earlier blocks' writes
+        bad = _args.first_bad_index(idx, n_rows)
+        if bad is not None:
+            raise _args.index_error(idx, n_rows, bad)
+    # the cache bytes and the values typed any layout: one compilation whether the merged blocks are contiguous
+    # or strided (quantize_row checks each row's strides itself)
+    with _threads.team("set_rows_quantized", src.size * (src.itemsize + 1), n_workers) as launch:
+        if launch.n == 1:
+            _write_blocks(blocks, idx, n_rows,
+                          lambda dk, sk, ik: call_any_layout(_set_quantized_serial, (0, 1), dk, sk, ik, code))
+        else:
+            _write_blocks(blocks, idx, n_rows,
+                          lambda dk, sk, ik: call_any_layout(_set_quantized_parallel, (0, 1), dk, sk, ik, code,
+                                                             launch.n))
+    return dst
+
+
+def _write_blocks(blocks, idx: np.ndarray, n_rows: int, write) -> None:
+    """``write(dst, src, idx)`` per merged block; a bad index it reports (its flat position, >= 0) raises."""
+    for (dk, sk), (ik,) in blocks:
+        bad = write(dk, sk, ik)
+        if bad >= 0:
+            raise _args.index_error(idx, n_rows, tuple(int(i) for i in np.unravel_index(bad, idx.shape)))
+
+
+def _route_types(dst_dtype, src_dtype, idx_dtype) -> tuple:
+    return array_type(dst_dtype, 2), array_type(src_dtype, 2), array_type(idx_dtype, 1), types.int64
+
+
+#: Decode-sized calls on a 2-D dst and 1-D idx, keyed on (dst, src, idx) dtypes.
+_rows_route = Route("set_rows.rows", _set_rows_fast, _route_types)
+
+
+def set_rows(dst: np.ndarray, src: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """Write row ``i`` of ``src`` into row ``idx[i]`` of ``dst``, converted to ``dst``'s dtype; returns ``dst``.
+
+    dst: (*lead, R, D) float32, float16 or bfloat16, any strides (a slice of a KV cache). src: (*lead, n, D)
+    float32, float16 or bfloat16. idx: (*idx_lead, n) int32 or int64, repeated over the leading axes (each
+    ``idx_lead`` length divides ``lead``'s, aligned from the right). Duplicate indices: the last row wins.
+    An index outside [0, R) raises ``ValueError`` and nothing is written. Nothing of ``dst`` but the indexed
+    rows changes.
+    """
+    if src.__class__ is _ND and idx.__class__ is _ND and src.ndim == 2 and idx.ndim == 1:  # the routes (_dispatch)
+        if dst.__class__ is _ND:
+            if dst.ndim == 2 and dst.flags.writeable:
+                entry = _rows_route.get((dst.dtype, src.dtype, idx.dtype))
+                if entry is not None and entry(dst, src, idx, _threads.PARALLEL_MIN_BYTES):
+                    return dst
+        elif dst.__class__ is Quantized:
+            data, code = dst.data, QTYPE_CODES.get(dst.qtype)  # both checked again: the attributes can be reassigned
+            if data.__class__ is _ND and data.dtype is _UINT8 and data.ndim == 2 and data.flags.writeable:
+                entry = _quantized_route.get((src.dtype, idx.dtype))
+                if entry is not None and code is not None and entry(data, src, idx, code,
+                                                                    _threads.PARALLEL_MIN_BYTES):
+                    return dst
+    dst, src, idx = _args.set_rows(dst, src, idx)
+    if dst.__class__ is Quantized:
+        return _set_rows_quantized(dst, src, idx)
+    if (dst.ndim == 2 and idx.ndim == 1 and src.size * (src.itemsize + dst.itemsize) < _threads.PARALLEL_MIN_BYTES
+            and _rows_route.run((dst.dtype, src.dtype, idx.dtype), dst, src, idx, _threads.PARALLEL_MIN_BYTES)):
+        return dst
+    n_rows = dst.shape[-2]
+    n_workers = _threads.threads_for(src.size * (src.itemsize + dst.itemsize))
+    dk, sk = kernel_view(dst), kernel_view(src)
+    if dst.ndim == 2:  # the common case directly: at decode size the generic merge costs a fifth of the call
+        blocks = [((dk[None], sk[None]), (idx[None],))]
+    else:
+        blocks = _layout.merge_leading([dk, sk], [idx[(None,) * (dst.ndim - 1 - idx.ndim)]], dst.ndim - 2)
+    if len(blocks) > 1:  # checked up front: the per-block kernel checks would come after earlier blocks' writes
+        bad = _args.first_bad_index(idx, n_rows)
+        if bad is not None:
+            raise _args.index_error(idx, n_rows, bad)
+    adjacent = adjacent_rows(dst, src)
+    with _threads.team("set_rows", src.size * (src.itemsize + dst.itemsize), n_workers) as launch:
+        if launch.n == 1:
+            _write_blocks(blocks, idx, n_rows,
+                          lambda dk, sk, ik: call_any_layout(_set_rows_serial, _ANY3, dk, sk, ik, adjacent))
+        else:
+            _write_blocks(blocks, idx, n_rows, lambda dk, sk, ik: call_any_layout(
+                _set_rows_parallel, _ANY3, dk, sk, ik, adjacent, launch.n))
+    return dst
