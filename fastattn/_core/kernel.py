@@ -40,22 +40,23 @@ from .simd import KERNEL_DTYPES, prefetch_line, widen
 FASTMATH = frozenset({"contract", "arcp", "reassoc", "nsz", "afn"})
 
 
+#: No fast-math flag at all: every operation rounds as written (``kernel(fastmath=EXACT)``).
+EXACT = frozenset()
+
 #: The options of every kernel: cached, GIL released, safe fastmath, no zero-division checks.
 KERNEL_OPTIONS = dict(cache=True, nogil=True, fastmath=set(FASTMATH), error_model="numpy")
 
 
-def kernel(fn=None, *, parallel: bool = False, inline: bool = False, exact: bool = False,
-           llvm_inline: bool = False):
+def kernel(fn=None, *, parallel: bool = False, inline: bool = False, llvm_inline: bool = False,
+           fastmath: frozenset = FASTMATH):
     """``numba.njit`` with ``KERNEL_OPTIONS``; ``parallel=True`` for the ``prange`` drivers; ``inline=True`` for
     small helpers called in hot loops (inlined by Numba: LLVM leaves calls with many array arguments alone, and
     the call costs as much as a short loop); ``llvm_inline=True`` for a helper called from many places of one
     kernel (compiled once, then inlined by LLVM into each call, where Numba would type a copy of it per call:
-    ``_score``, 13 calls in ``group_rows``, took 4 s of a first decode call that way); ``exact=True`` without
-    fastmath, for arithmetic that must round as a reference does (no FMA contraction, no reciprocal for a
-    division: the quantizers)."""
-    opts = dict(KERNEL_OPTIONS, parallel=parallel)
-    if exact:
-        opts["fastmath"] = False
+    ``_score``, 13 calls in ``group_rows``, took 4 s of a first decode call that way); ``fastmath`` the LLVM
+    fast-math flags where a kernel needs fewer than ``FASTMATH``: ``EXACT`` (none) for arithmetic that must round
+    as a reference does (no FMA contraction, no reciprocal for a division: the quantizers)."""
+    opts = dict(KERNEL_OPTIONS, parallel=parallel, fastmath=set(fastmath))
     if inline:
         opts["inline"] = "always"
     if llvm_inline:

@@ -47,7 +47,7 @@ def _read(src, n_chunks):
 def _fma(n_threads, iterations):
     partial = np.zeros(n_threads, np.float32)
     for t in prange(n_threads):
-        acc = np.arange(_LANES).astype(np.float32)
+        acc = np.arange(_LANES, dtype=np.float32)
         a = np.float32(0.999999) + np.float32(t) * np.float32(1e-9)
         b = np.float32(1e-7)
         for _ in range(iterations):

@@ -2,7 +2,7 @@
 attention uses (``widen_blocks``).
 
 Each row of 32-value blocks is quantized block by block with ggml's reference rounding (``fastattn/reference/quant.py``
-states it): the kernels compile without fastmath (``kernel(exact=True)``) so that ``d = amax / 127``, ``1 / d``
+states it): the kernels compile without fastmath (``kernel(fastmath=EXACT)``) so that ``d = amax / 127``, ``1 / d``
 and ``x · (1/d) + 8.5`` round exactly as the reference's float32 NumPy does (no FMA contraction, no reciprocal
 for a division); the bytes are then identical to the reference's and to the ``gguf`` package's. Float16 input
 enters as uint16 bits and is widened exactly.
@@ -30,8 +30,8 @@ from numba.extending import intrinsic, overload
 
 from .._core import layout as _layout
 from .._core import threads as _threads
-from .._core.kernel import (_f16_bits_to_f32, _f32_to_f16_bits, any_layout, assume_contiguous, call_any_layout,
-                            kernel, kernel_view, to_f32)
+from .._core.kernel import (EXACT, _f16_bits_to_f32, _f32_to_f16_bits, any_layout, assume_contiguous, call_any_layout,
+                           kernel, kernel_view, to_f32)
 from .blocks import BLOCK, BLOCK_BYTES, QTYPE_CODES, Quantized, quantized_array, values_array
 from .._core.simd import (KERNEL_DTYPES, LANES, V8, as_int64, block_scale, block_values, const, load1, load8, shuffle,
                           splat)
@@ -68,7 +68,7 @@ def _from_bits(typingctx, bits):
     return types.float32(bits), codegen
 
 
-@kernel(inline=True, exact=True)
+@kernel(inline=True, fastmath=EXACT)
 def _store_scale(out, o, d):
     """The float16 scale ``d`` (rounded to nearest even) as two little-endian bytes at out[o]."""
     bits = _f32_to_f16_bits(d)
@@ -76,12 +76,12 @@ def _store_scale(out, o, d):
     out[o + 1] = np.uint8(bits >> 8)
 
 
-@kernel(inline=True, exact=True)
+@kernel(inline=True, fastmath=EXACT)
 def _load_scale(data, o):
     return _f16_bits_to_f32(np.uint16(np.int32(data[o]) | (np.int32(data[o + 1]) << 8)))
 
 
-@kernel(inline=True, exact=True)
+@kernel(inline=True, fastmath=EXACT)
 def _q8_0_block(x, j0, out, o):
     """Values x[j0 .. j0+32] into the Q8_0 block at out[o]: d = amax/127, q = roundf(x/d) (halves away from 0)."""
     top = np.uint32(0)
@@ -281,7 +281,7 @@ def _q4_0_block_vector(typingctx, x, j0, out, o):
     return types.none(x, j0, out, o), _q4_0_vector_codegen
 
 
-@kernel(inline=True, exact=True)
+@kernel(inline=True, fastmath=EXACT)
 def _q4_0_block(x, j0, out, o):
     """Values x[j0 .. j0+32] into the Q4_0 block at out[o]: d = m/-8 with m the first value of largest
     magnitude, q = min(15, trunc(x/d + 8.5)); value j in the low nibble of byte j, value j+16 in its high one."""
@@ -302,7 +302,7 @@ def _q4_0_block(x, j0, out, o):
         out[o + 2 + j] = np.uint8(low | (high << 4))
 
 
-@kernel(inline=True, exact=True)
+@kernel(inline=True, fastmath=EXACT)
 def _blocks_of_row(x, out, code):
     width = 34 if code == Q8_0 else 18
     for blk in range(x.shape[0] // BLOCK):
@@ -312,7 +312,7 @@ def _blocks_of_row(x, out, code):
             _q4_0_block(x, blk * BLOCK, out, blk * width)
 
 
-@kernel(inline=True, exact=True)
+@kernel(inline=True, fastmath=EXACT)
 def _blocks_of_contiguous_row(x, out, code):
     if code == Q8_0:
         n_blocks = x.shape[0] // BLOCK
@@ -328,7 +328,7 @@ def _blocks_of_contiguous_row(x, out, code):
             _q4_0_block_vector(x, blk * BLOCK, out, blk * 18)
 
 
-@kernel(exact=True)
+@kernel(fastmath=EXACT)
 def blocks_fill(n_values, n_bytes, code):
     """``n_values`` values quantized as type ``code`` fill exactly ``n_bytes`` (whole blocks; False for an
     unknown code). For entry kernels that check a row before ``quantize_row``."""
@@ -337,7 +337,7 @@ def blocks_fill(n_values, n_bytes, code):
     return n_values % BLOCK == 0 and n_bytes == n_values // BLOCK * (Q8_0_BYTES if code == Q8_0 else Q4_0_BYTES)
 
 
-@kernel(exact=True, llvm_inline=True)
+@kernel(llvm_inline=True, fastmath=EXACT)
 def _quantize_any_row(x, out, code):
     """``quantize_row`` on rows typed any layout: compiled once per element type of x and shared by every kernel
     that quantizes (the callers' row types differ only in layout), then inlined by LLVM into each."""
@@ -347,7 +347,7 @@ def _quantize_any_row(x, out, code):
         _blocks_of_row(x, assume_contiguous(out), code)
 
 
-@kernel(inline=True, exact=True)
+@kernel(inline=True, fastmath=EXACT)
 def quantize_row(x, out, code):
     """One row of values (a multiple of 32) into its blocks of type ``code`` (Q8_0 or Q4_0) at ``out`` (bytes,
     contiguous); a unit-stride row is retyped contiguous and its blocks quantized in explicit vectors."""
@@ -443,25 +443,25 @@ def _widen_blocks_impl(f, o, n_values, dst, d0):
     raise TypingError(f"widen_blocks: expected int8 (Q8_0) or uint8 (Q4_0) bytes, got {f}")
 
 
-@kernel(exact=True)
+@kernel(fastmath=EXACT)
 def _quantize_serial(x, data, code):
     for r in range(x.shape[0]):
         quantize_row(x[r], data[r], code)
 
 
-@kernel(parallel=True, exact=True)
+@kernel(parallel=True, fastmath=EXACT)
 def _quantize_parallel(x, data, code):
     for r in prange(x.shape[0]):
         quantize_row(x[r], data[r], code)
 
 
-@kernel(exact=True)
+@kernel(fastmath=EXACT)
 def _dequantize_serial(data, out):
     for r in range(data.shape[0]):
         widen_blocks(assume_contiguous(data[r]), 0, out.shape[1], assume_contiguous(out[r]), 0)
 
 
-@kernel(parallel=True, exact=True)
+@kernel(parallel=True, fastmath=EXACT)
 def _dequantize_parallel(data, out):
     for r in prange(data.shape[0]):
         widen_blocks(assume_contiguous(data[r]), 0, out.shape[1], assume_contiguous(out[r]), 0)

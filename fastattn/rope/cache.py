@@ -15,12 +15,11 @@ from __future__ import annotations
 import math
 from decimal import Decimal, getcontext
 
-import numba
 import numpy as np
 from numba import prange
 
 from .._core import threads as _threads
-from .._core.kernel import KERNEL_OPTIONS, call_any_layout
+from .._core.kernel import call_any_layout, kernel
 
 # float64 sin/cos that vectorise: Cody-Waite reduction by pi/2 split in three parts. The first two parts carry
 # 22 significant bits, so k·PIO2_1 and k·PIO2_2 are exact for |k| < 2**31 and the reduction is accurate to about
@@ -42,10 +41,10 @@ _TWO_OVER_PI = float(1 / _PIO2)
 LARGE_ANGLE = 1e9
 
 # The cache kernels must not reassociate: ((theta - k·P1) - k·P2) - k·P3 is only exact in that order.
-_ORDERED = dict(KERNEL_OPTIONS, fastmath={"contract", "nsz", "arcp"})
+TABLE_FASTMATH = frozenset({"contract", "nsz", "arcp"})
 
 
-@numba.njit(**_ORDERED)
+@kernel(fastmath=TABLE_FASTMATH)
 def _sincos(theta):
     """(sin, cos) of float64 ``theta`` with |theta| < LARGE_ANGLE, error < 1e-11. Branch-free."""
     k = np.floor(theta * _TWO_OVER_PI + 0.5)
@@ -77,7 +76,7 @@ CACHE_BLOCK = 64
 RECURRENCE_MAX_POS = 1 << 24
 
 
-@numba.njit(**_ORDERED)
+@kernel(fastmath=TABLE_FASTMATH)
 def _direct_row(pos, n, streams, w, theta, c64, s64):
     """cos/sin of token n's angles, from the angles (float64)."""
     if pos.shape[0] == 1:
@@ -99,7 +98,7 @@ def _direct_row(pos, n, streams, w, theta, c64, s64):
                 s64[p] = math.sin(theta[p])
 
 
-@numba.njit(**_ORDERED)
+@kernel(fastmath=TABLE_FASTMATH)
 def _follows(pos, n):
     """Every stream's position of token n is the one of token n - 1 plus 1 (and small enough to step)."""
     for s in range(pos.shape[0]):
@@ -108,7 +107,7 @@ def _follows(pos, n):
     return True
 
 
-@numba.njit(**_ORDERED)
+@kernel(fastmath=TABLE_FASTMATH)
 def cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, n0, n1):
     """cs[n - n0] = cos then sin (float32) of token n, for n0 <= n < n1 (float64 cos/sin kept in c64/s64)."""
     n_pairs = w.shape[0]
@@ -139,7 +138,7 @@ def cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, n
 TABLE_INPUTS = (0, 1, 2, 3, 4)
 
 
-@numba.njit(**_ORDERED)
+@kernel(fastmath=TABLE_FASTMATH)
 def build_cache_serial(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs):
     """cs: (N, 2·n_pairs) float32, cos then sin of each token."""
     n_tokens = cs.shape[0]
@@ -148,7 +147,7 @@ def build_cache_serial(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale
         cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs[n0:n1], n0, n1)
 
 
-@numba.njit(parallel=True, **_ORDERED)
+@kernel(parallel=True, fastmath=TABLE_FASTMATH)
 def build_cache_parallel(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs):
     n_tokens = cs.shape[0]
     for b in prange((n_tokens + CACHE_BLOCK - 1) // CACHE_BLOCK):

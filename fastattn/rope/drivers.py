@@ -22,14 +22,13 @@ every process instead of being loaded from the cache.
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-from .._core.kernel import any_layout, assume_contiguous, call_unit, fetch_add, prefetch
+from .._core.kernel import any_layout, assume_contiguous, call_unit, fetch_add, kernel, prefetch
 from .cache import CACHE_BLOCK, cache_block
-from .rotate import (ROWS_STRIDED, TOKEN_BLOCK, _EXACT, _INLINE, _PICK, rope_block, rotate_rows_adjacent,
+from .rotate import (ROWS_STRIDED, TOKEN_BLOCK, ROTATION_FASTMATH, _PICK, rope_block, rotate_rows_adjacent,
                      rotate_rows_split)
 from .._core.simd import LANES
 
@@ -37,7 +36,7 @@ from .._core.simd import LANES
 PREFETCH_LINES = 16
 
 
-@numba.njit(**_INLINE)
+@kernel(inline=True, fastmath=ROTATION_FASTMATH)
 def _prefetch_next_token(tokens, n, layout):
     """In place, start fetching the first lines of token n + 1's (H, D) block of ``tokens`` (N, H, D) while token
     n is rotated: in place the hardware prefetchers alone fall behind; out of place it does not help. Tokens that
@@ -48,7 +47,7 @@ def _prefetch_next_token(tokens, n, layout):
             prefetch(first_row, line * (64 // tokens.itemsize))
 
 
-@numba.njit(**_INLINE)
+@kernel(inline=True, fastmath=ROTATION_FASTMATH)
 def _rows_ahead(tokens, n, layout):
     """In place on tokens that lie apart (Q or K of a fused QKV buffer: 16 KiB runs 24 KiB apart), the distance
     in elements from a row of token n to the same row of token n + 2, for the vector code to prefetch that token
@@ -63,7 +62,7 @@ def _rows_ahead(tokens, n, layout):
 
 
 # The token steps: what a driver does with token n of x (B, N, H, D) and its cache row (module docstring).
-@numba.njit(**_INLINE)
+@kernel(inline=True, fastmath=ROTATION_FASTMATH)
 def _rotate_step(x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layout):
     """rope_ext / apply_rope_cache: out[b, n] = rope(x[b, n]) for every b (out may be x); idx, keep unused."""
     for b in range(x.shape[0]):
@@ -75,7 +74,7 @@ def _rotate_step(x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place
         rope_block(x[b, n], out[b, n], cache_row, n_pairs, interleaved, in_place, layout, ahead)
 
 
-@numba.njit(**_INLINE)
+@kernel(inline=True, fastmath=ROTATION_FASTMATH)
 def _cache_write_step(x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layout):
     """rope_set_rows: x (1, N, H, D) K rows, out (R, H, D) the cache; token n goes to out[idx[n]] when keep[n]."""
     if keep[n]:
@@ -101,7 +100,7 @@ def _step_impl(x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, 
 TOKENS_PER_TASK = 8
 
 
-@numba.njit(**_EXACT)
+@kernel(fastmath=ROTATION_FASTMATH)
 def drive_serial(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout):
     """``_step`` on every token of x (B, N, H, D) with its row of cs (N, 2·n_pairs) float32 (cos then sin; rows
     of adjacent elements, typed so: the routes hand ``rope_block`` their rows the same way)."""
@@ -109,7 +108,7 @@ def drive_serial(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout):
         _step(x, out, idx, keep, n, assume_contiguous(cs[n]), n_pairs, interleaved, in_place, layout)
 
 
-@numba.njit(**_INLINE)
+@kernel(inline=True, fastmath=ROTATION_FASTMATH)
 def _whole_rows(x, out, n_pairs, in_place, layout):
     """The common prefill call: one batch, out of place, rows of adjacent elements rotated whole in chunks of 8
     pairs (n_pairs % 8 == 0, 2·n_pairs == D). The parallel drivers decide it once per call and then hand each
@@ -119,7 +118,7 @@ def _whole_rows(x, out, n_pairs, in_place, layout):
             and 2 * n_pairs == x.shape[3])
 
 
-@numba.njit(**_INLINE)
+@kernel(inline=True, fastmath=ROTATION_FASTMATH)
 def _rotate_rows(src, dst, cache_row, n_pairs, interleaved):
     """src (H, D) into dst (H, D) when ``_whole_rows``: the vector code alone (``rope_block``'s result)."""
     cos = cache_row[:n_pairs]
@@ -147,7 +146,7 @@ def _rotate_whole_impl(x, out, idx, keep, n, cache_row, n_pairs, interleaved):
     return write
 
 
-@numba.njit(**_EXACT)
+@kernel(fastmath=ROTATION_FASTMATH)
 def _cached_tasks(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout, next_task):
     """One thread's share of ``drive_parallel``: tasks of TOKENS_PER_TASK tokens from ``next_task`` until none is
     left. A function of its own, so that the parallel region is one call (Numba's parfor passes then analyse a
@@ -169,7 +168,7 @@ def _cached_tasks(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout,
 CACHED_UNIT = (_cached_tasks, tuple(range(10)), ())
 
 
-@numba.njit(parallel=True, **_EXACT)
+@kernel(parallel=True, fastmath=ROTATION_FASTMATH)
 def drive_parallel(unit, x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout, next_task, n_threads):
     """``drive_serial`` on ``n_threads`` threads, which take tasks of TOKENS_PER_TASK tokens from
     ``next_task`` (a zeroed int64 counter); ``unit``: the handle of ``_cached_tasks`` for these argument types
@@ -178,7 +177,7 @@ def drive_parallel(unit, x, out, idx, keep, cs, n_pairs, interleaved, in_place, 
         call_unit(unit, (x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout, next_task))
 
 
-@numba.njit(**_EXACT)
+@kernel(fastmath=ROTATION_FASTMATH)
 def _fused_tasks(x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
                  in_place, layout, next_task):
     """One thread's share of ``drive_fused`` (see ``_cached_tasks``), with its own cos/sin scratch."""
@@ -204,7 +203,7 @@ def _fused_tasks(x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_sca
 FUSED_UNIT = (_fused_tasks, tuple(range(15)), ())
 
 
-@numba.njit(parallel=True, **_EXACT)
+@kernel(parallel=True, fastmath=ROTATION_FASTMATH)
 def drive_fused(unit, x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
                 in_place, layout, next_task, n_threads):
     """``drive_parallel`` with the cos/sin made inside the same pass. A task is one CACHE_BLOCK of tokens: its

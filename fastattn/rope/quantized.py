@@ -15,20 +15,19 @@ its code would be optimised and emitted again there.
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import prange
 
-from .._core.kernel import call_unit, fetch_add
+from .._core.kernel import call_unit, fetch_add, kernel
 from .cache import CACHE_BLOCK, cache_block
-from .rotate import _EXACT, rope_block
+from .rotate import ROTATION_FASTMATH, rope_block
 from ..quant.api import quantize_row
 
 #: Tokens per parallel task (as ``rope.drivers.TOKENS_PER_TASK``).
 TOKENS_PER_TASK = 8
 
 
-@numba.njit(**dict(_EXACT, inline="always"))
+@kernel(inline=True, fastmath=ROTATION_FASTMATH)
 def _token(x, data, idx, keep, cs_row, n_pairs, interleaved, layout, code, n, scratch):
     """Token n rotated with its cos/sin row ``cs_row`` and quantized into cache row idx[n], if ``keep[n]``."""
     if keep[n]:
@@ -38,7 +37,7 @@ def _token(x, data, idx, keep, cs_row, n_pairs, interleaved, layout, code, n, sc
             quantize_row(scratch[h], row[h], code)
 
 
-@numba.njit(**_EXACT)
+@kernel(fastmath=ROTATION_FASTMATH)
 def rope_quantize_serial(x, data, idx, keep, cs, n_pairs, interleaved, layout, code):
     """Token by token in order: x (N, H, D) kernel view, data (R, H, bytes) the cache's bytes, cs (N, 2·n_pairs)."""
     scratch = np.empty((x.shape[1], x.shape[2]), np.float32)
@@ -46,7 +45,7 @@ def rope_quantize_serial(x, data, idx, keep, cs, n_pairs, interleaved, layout, c
         _token(x, data, idx, keep, cs[n], n_pairs, interleaved, layout, code, n, scratch)
 
 
-@numba.njit(**_EXACT)
+@kernel(fastmath=ROTATION_FASTMATH)
 def _tasks(x, data, idx, keep, cs, n_pairs, interleaved, layout, code, next_task):
     """One thread's share of ``rope_quantize_parallel``: the next task from ``next_task`` until none is left."""
     n_tokens = x.shape[0]
@@ -63,7 +62,7 @@ def _tasks(x, data, idx, keep, cs, n_pairs, interleaved, layout, code, next_task
 UNIT = (_tasks, tuple(range(10)), ())
 
 
-@numba.njit(**dict(_EXACT, parallel=True))
+@kernel(parallel=True, fastmath=ROTATION_FASTMATH)
 def rope_quantize_parallel(unit, x, data, idx, keep, cs, n_pairs, interleaved, layout, code, next_task, n_threads):
     """``rope_quantize_serial`` on ``n_threads`` threads, which take tasks of TOKENS_PER_TASK tokens from
     ``next_task`` (a zeroed int64 counter: a thread slowed down by another process takes fewer), each thread with
@@ -72,7 +71,7 @@ def rope_quantize_parallel(unit, x, data, idx, keep, cs, n_pairs, interleaved, l
         call_unit(unit, (x, data, idx, keep, cs, n_pairs, interleaved, layout, code, next_task))
 
 
-@numba.njit(**_EXACT)
+@kernel(fastmath=ROTATION_FASTMATH)
 def _fused_tasks(x, data, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved, layout,
                  code, next_task):
     """One thread's share of ``rope_quantize_fused``: the next CACHE_BLOCK of tokens from ``next_task``, its cos/sin
@@ -96,7 +95,7 @@ def _fused_tasks(x, data, idx, keep, pos, streams, w, step_cos, step_sin, cos_sc
 FUSED_UNIT = (_fused_tasks, tuple(range(15)), ())
 
 
-@numba.njit(**dict(_EXACT, parallel=True))
+@kernel(parallel=True, fastmath=ROTATION_FASTMATH)
 def rope_quantize_fused(unit, x, data, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale,
                         interleaved, layout, code, next_task, n_threads):
     """``rope_quantize_parallel`` with the cos/sin of positions ``pos`` (streams, N) made in the same pass from the

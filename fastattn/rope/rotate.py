@@ -24,13 +24,12 @@ nothing but the arithmetic inside.
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 
-from .._core.kernel import KERNEL_OPTIONS, from_f32, to_f32
+from .._core.kernel import KERNEL_OPTIONS, from_f32, kernel, to_f32
 from .._core.simd import (LANES, as_int64, check_array, const, element_stride, load8, loop, prefetch_line, shuffle,
                           store8)
 
@@ -122,12 +121,12 @@ rotate_rows_adjacent = intrinsic(_typer("rotate_rows_adjacent", adjacent=True))
 # work). No FMA contraction or reassociation here: a*c - b*s could contract either way, differently in the vectorised
 # body, the scalar remainder and the serial and parallel builds; with every product rounded on its own the
 # result is bit-identical across layouts and thread counts (and the op stays memory-bound).
-_EXACT = dict(KERNEL_OPTIONS, fastmath={"nsz", "arcp"})
-_INLINE = dict(_EXACT, inline="always")
+ROTATION_FASTMATH = frozenset({"nsz", "arcp"})
 #: The options of the overloads that pick a step by argument type: compiled as functions of their own, not inlined
 #: (Numba compiles an inlined overload's implementation anyway, then types it again inside every caller); cached
 #: within their callers.
-_PICK = {key: value for key, value in _EXACT.items() if key != "cache"}
+_PICK = {key: value for key, value in KERNEL_OPTIONS.items() if key != "cache"} | {
+    "fastmath": set(ROTATION_FASTMATH)}
 
 
 def _store(v, like):
@@ -142,7 +141,7 @@ def _store_impl(v, like):
     return lambda v, like: from_f32(to_f32(v), like)
 
 
-@numba.njit(**_EXACT)
+@kernel(fastmath=ROTATION_FASTMATH)
 def _rotate_in_place(row, cos, sin, n_pairs, interleaved):
     """Rotate the pairs of ``row`` (D,) in place with one token's cos/sin (each pair is read before written)."""
     if interleaved:
@@ -161,7 +160,7 @@ def _rotate_in_place(row, cos, sin, n_pairs, interleaved):
             second[p] = from_f32(a * sin[p] + b * cos[p], row)
 
 
-@numba.njit(**_EXACT)
+@kernel(fastmath=ROTATION_FASTMATH)
 def _rotate_into(src, dst, cos, sin, n_pairs, interleaved):
     """dst = rope(src) for separate rows of any element types: widened, rotated in float32, narrowed once."""
     if interleaved:
@@ -182,7 +181,7 @@ def _rotate_into(src, dst, cos, sin, n_pairs, interleaved):
             dst_second[p] = from_f32(a * sin[p] + b * cos[p], dst)
 
 
-@numba.njit(**_EXACT)
+@kernel(fastmath=ROTATION_FASTMATH)
 def _copy_tail(src, dst, start):
     """dst[start:] = src[start:] (converted if the types differ): the dims past the rotated span."""
     src_tail = src[start:]
@@ -191,7 +190,7 @@ def _copy_tail(src, dst, start):
         dst_tail[j] = _store(src_tail[j], dst)
 
 
-@numba.njit(**_EXACT)
+@kernel(fastmath=ROTATION_FASTMATH)
 def _rotate_rest(src, dst, cos, sin, done, n_pairs, interleaved, in_place):
     """Pairs done .. n_pairs of one row (at most 7: those past the vector code's whole chunks), then, out of place,
     the dims past the rotated span."""
@@ -229,7 +228,7 @@ def token_layout(a: np.ndarray, b: np.ndarray) -> int:
     return ROWS_UNIT
 
 
-@numba.njit(**_EXACT)
+@kernel(fastmath=ROTATION_FASTMATH)
 def rope_block(src, dst, cache_row, n_pairs, interleaved, in_place, layout, ahead):
     """One token's head rows src, dst (H, D) (the same memory in place) with its cache row (cos then sin).
 
@@ -256,7 +255,7 @@ def rope_block(src, dst, cache_row, n_pairs, interleaved, in_place, layout, ahea
             _rotate_rest(src[h], dst[h], cos, sin, done, n_pairs, interleaved, in_place)
 
 
-@numba.njit(**_INLINE)
+@kernel(inline=True, fastmath=ROTATION_FASTMATH)
 def token_layout_of(mx, mo, head_dim):
     """``token_layout`` of two (N, H, D) arrays from their ``meta`` (its last axes are the arrays')."""
     (_, _, strides_x, item_x), (_, _, strides_o, item_o) = mx, mo

@@ -20,16 +20,15 @@ general path then runs the call, or raises its error).
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import types
 from numba.extending import overload
 
 from .._core.dispatch import (Route, aligned, array_type, c_contiguous, meta, overlaps, rows_writable, same_view,
                               unit_rows)
-from .._core.kernel import any_layout, assume_contiguous, call_unit, unit_address, use_threads
+from .._core.kernel import any_layout, assume_contiguous, call_unit, kernel, unit_address, use_threads
 from .drivers import CACHED_UNIT, FUSED_UNIT, drive_fused, drive_parallel
-from .rotate import _EXACT, _INLINE, _PICK, ROWS_UNIT, rope_block, token_layout_of
+from .rotate import ROTATION_FASTMATH, _PICK, ROWS_UNIT, rope_block, token_layout_of
 from .._core.validate import FLOAT32
 from ..quant.api import blocks_fill, quantize_row
 
@@ -46,7 +45,7 @@ def _out_types(x_dtype, out_dtype, out_ndim, idx_dtype) -> tuple:
 
 # ---------------------------------------------------------------------------------------------------------------
 # rope.cached
-@numba.njit(**_EXACT)
+@kernel(fastmath=ROTATION_FASTMATH)
 def _fits_table(n, d, cs, min_head_dim, exact_head_dim):
     """n tokens of head dim d fit the table: one cs row per token, d >= min_head_dim (== when exact), and cs
     has aligned unit-stride rows."""
@@ -66,7 +65,7 @@ def _cache_row_impl(dst, r, n_heads, head_dim):
     return lambda dst, r, n_heads, head_dim: dst[r]
 
 
-@numba.njit(**_INLINE)
+@kernel(inline=True, fastmath=ROTATION_FASTMATH)
 def _rotate_tokens(x, out, cs, n_pairs, interleaved, max_bytes):
     """``apply_rope_cache``: out (N, H, D) of x's dtype (x itself in place), unless it declines."""
     n, h, d = x.shape
@@ -82,7 +81,7 @@ def _rotate_tokens(x, out, cs, n_pairs, interleaved, max_bytes):
     return True
 
 
-@numba.njit(**_INLINE)
+@kernel(inline=True, fastmath=ROTATION_FASTMATH)
 def _write_tokens(x, dst, idx, cs, n_pairs, interleaved, max_bytes):
     """``apply_rope_cache_set_rows``: token i into row idx[i] of the cache dst, in order (the last of duplicate
     indices wins), unless it declines."""
@@ -114,7 +113,7 @@ def _cached_variant_impl(x, out, idx, cs, n_pairs, interleaved, max_bytes):
         x, out, idx, cs, n_pairs, interleaved, max_bytes)
 
 
-@numba.njit(**_EXACT)
+@kernel(fastmath=ROTATION_FASTMATH)
 def cached_entry(x, out, idx, cs, pairing, max_bytes):
     """Rotate x (N, H, D) by the table cs (N, 2·n_pairs) into out (idx None) or into rows idx of the cache out;
     ``pairing`` = (n_pairs, interleaved, min_head_dim, exact_head_dim) of the table (``RopeCache.pairing``).
@@ -135,7 +134,7 @@ CACHED = Route("rope.cached", cached_entry, lambda x_dtype, out_dtype, out_ndim,
 
 # ---------------------------------------------------------------------------------------------------------------
 # rope.cached_quantized
-@numba.njit(**_EXACT)
+@kernel(fastmath=ROTATION_FASTMATH)
 def cached_quantized_entry(x, data, idx, cs, pairing, code, max_bytes):
     """``apply_rope_cache_set_rows`` into a quantized cache of type ``code`` whose bytes are ``data`` (R, H·row
     bytes) or (R, H, row bytes): token i rotated by the table cs into a float32 scratch (H, D), then each head row
@@ -178,7 +177,7 @@ CACHED_QUANTIZED = Route("rope.cached_quantized", cached_quantized_entry, lambda
 
 # ---------------------------------------------------------------------------------------------------------------
 # rope.fused
-@numba.njit(**_EXACT)
+@kernel(fastmath=ROTATION_FASTMATH)
 def _increasing_in(idx, n_rows):
     """idx strictly increasing (no duplicates) and within [0, n_rows)."""
     n = idx.shape[0]
@@ -190,7 +189,7 @@ def _increasing_in(idx, n_rows):
     return True
 
 
-@numba.njit(**_INLINE)
+@kernel(inline=True, fastmath=ROTATION_FASTMATH)
 def _fused_tokens(unit, x, out, pos, plan, min_bytes, n_threads):
     """``rope_ext``: out (N, H, D) of x's dtype (x itself in place), unless it declines."""
     streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved, n_dims = plan
@@ -213,7 +212,7 @@ def _fused_tokens(unit, x, out, pos, plan, min_bytes, n_threads):
     return True
 
 
-@numba.njit(**_INLINE)
+@kernel(inline=True, fastmath=ROTATION_FASTMATH)
 def _fused_write(unit, x, dst, idx, pos, plan, min_bytes, n_threads):
     """``rope_set_rows``: token i into row idx[i] of the C-contiguous cache dst, idx strictly increasing (other
     indices: the general path, which sorts out duplicates), unless it declines."""
@@ -257,7 +256,7 @@ def _fused_variant_impl(unit, x, out, idx, pos, plan, min_bytes, n_threads):
         unit, x, out, idx, pos, plan, min_bytes, n_threads)
 
 
-@numba.njit(**_EXACT)
+@kernel(fastmath=ROTATION_FASTMATH)
 def fused_entry(unit, x, out, idx, pos, plan, min_bytes, n_threads):
     """RoPE of x (N, H, D) at positions pos (N,) (one stream: NORMAL or NEOX) with cos/sin made in the pass
     (``plan``: the parameters' tables, ``_args.rope.RopeParams.plan``), into out (idx None) or rows idx of the
@@ -296,7 +295,7 @@ FUSED = Route("rope.fused", fused_entry, lambda x_dtype, out_dtype, out_ndim, id
 
 # ---------------------------------------------------------------------------------------------------------------
 # rope.cached_prefill
-@numba.njit(**_EXACT)
+@kernel(fastmath=ROTATION_FASTMATH)
 def cached_prefill_entry(unit, x, out, cs, pairing, min_bytes, n_threads):
     """``apply_rope_cache`` of a prefill: x and out (N, H, D) of one dtype (out may be x), the table cs, on
     ``n_threads`` threads. Returns False, having written nothing, unless out has x's shape, x fits the table, at

@@ -28,8 +28,8 @@ from .._core import layout as _layout
 from .._core import threads as _threads
 from . import args as _args
 from .._core.dispatch import Route, array_type, rows_writable
-from .._core.kernel import (adjacent_rows, assume_contiguous, call_any_layout, from_f32, kernel, kernel_view, rows_if,
-                            to_f32)
+from .._core.kernel import (EXACT, adjacent_rows, assume_contiguous, call_any_layout, from_f32, kernel, kernel_view,
+                           rows_if, to_f32)
 from ..quant.blocks import QTYPE_CODES, Quantized
 from ..quant.api import blocks_fill, quantize_row
 
@@ -108,7 +108,7 @@ def _set_rows_fast(dst, src, idx, max_bytes):
     return True
 
 
-@kernel(exact=True)
+@kernel(fastmath=EXACT)
 def _set_quantized_serial(data, src, idx, code):
     """``_set_rows_serial`` into quantized rows: each src row quantized straight into its destination's bytes."""
     bad = _first_bad(idx, data.shape[1])
@@ -121,7 +121,7 @@ def _set_quantized_serial(data, src, idx, code):
     return -1
 
 
-@kernel(parallel=True, exact=True)
+@kernel(parallel=True, fastmath=EXACT)
 def _set_quantized_parallel(data, src, idx, code, n_workers):
     """``_set_rows_parallel`` into quantized rows (workers own destination rows: the last duplicate wins)."""
     bad = _first_bad(idx, data.shape[1])
@@ -137,7 +137,7 @@ def _set_quantized_parallel(data, src, idx, code, n_workers):
     return -1
 
 
-@kernel(exact=True)
+@kernel(fastmath=EXACT)
 def _set_quantized_fast(data, src, idx, code, max_bytes):
     """The entry kernel of route ``set_rows.quantized`` (``_core.dispatch``): data (R, row bytes) the blocks of a
     quantized dst of type ``code``, src (n, D), idx (n,). Returns False, having written nothing, unless D values
