@@ -107,12 +107,14 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
 
     q (B, Hq, Nq, DK) float32; k (Bk, Hkv, Nkv, DK) and v (Bk, Hkv, Nkv, DV) float32, float16 or bfloat16
     ndarrays or ``Quantized`` (Q8_0 / Q4_0, D a multiple of 32, read as their dequantized values), with
-    Hq % Hkv == 0 and B % Bk == 0; mask float32/float16 with 2 to 4 axes (..., >= Nq rows, Nkv columns), its
-    head and batch axes dividing Hq and B (applied modulo, as ggml); ``-inf`` masks. ``max_bias`` > 0 multiplies
-    the mask by ggml's ALiBi slope of each head; ``logit_softcap`` > 0 applies softcap·tanh(s/softcap) before the
-    mask; ``sinks`` (Hq,) float32 joins each head's softmax denominator. ``path``: "auto", "one_chunk", "tiled"
-    or "split_kv" (Nq == 1 only). Every input may be a strided view; ``out`` (float32, any strides, not
-    overlapping an input) is written in full. Rows with every score masked give zeros.
+    Hq % Hkv == 0 and B % Bk == 0 (at most 256 heads: more raise ValueError, as a token-major (B, N, H, D) call
+    would give them; pass such arrays as ``x.transpose(0, 2, 1, 3)``); mask
+    float32/float16 with 2 to 4 axes (..., >= Nq rows, Nkv columns), its head and batch axes dividing Hq and B
+    (applied modulo, as ggml); ``-inf`` masks. ``max_bias`` > 0 multiplies the mask by ggml's ALiBi slope of each
+    head; ``logit_softcap`` > 0 applies softcap·tanh(s/softcap) before the mask; ``sinks`` (Hq,) float32 joins
+    each head's softmax denominator. ``path``: "auto", "one_chunk", "tiled" or "split_kv" (Nq == 1 only). Every
+    input may be a strided view; ``out`` (float32, any strides, not overlapping an input) is written in full. Rows
+    with every score masked give zeros.
     """
     if (mask is None and sinks is None and (scale.__class__ is float or scale.__class__ is _F64)
             and max_bias.__class__ is float

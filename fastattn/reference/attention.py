@@ -32,7 +32,8 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     """softmax(scale·QKᵀ [softcap] + slope·mask, sinks) V, in float64; returns float32 (or fills ``out``).
 
     q (B, Hq, Nq, DK) float32; k (Bk, Hkv, Nkv, DK), v (Bk, Hkv, Nkv, DV) float32/float16/bfloat16 or
-    ``Quantized`` (Q8_0 / Q4_0: their dequantized values);
+    ``Quantized`` (Q8_0 / Q4_0: their dequantized values); at most 256 heads (token-major arrays are refused, see
+    ``fastattn.flash_attn_ext``);
     mask broadcastable as ggml (..., >= Nq rows, Nkv columns); sinks (Hq,) float32; ``path`` is accepted
     for signature parity with ``fastattn.flash_attn_ext`` and ignored. ``out`` (B, Nq, Hq, DV) float32 or float64.
     """
