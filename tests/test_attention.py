@@ -378,6 +378,22 @@ def test_legitimate_layouts_next_to_the_token_major_checks_pass(ops):
                            naive_f32(q, k, k, None, scale=0.25), floor=FLOOR)
 
 
+@pytest.mark.parametrize("ops", [fastattn, reference], ids=["fast", "reference"])
+@pytest.mark.parametrize("Nq", [1, 5])  # 1: the fast side's decode route; 5: the general path
+def test_scale_defaults_to_head_size_to_the_minus_half(ops, Nq):
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((1, 4, Nq, 48), np.float32)
+    k = rng.standard_normal((1, 2, 11, 48), np.float32)
+    v = rng.standard_normal((1, 2, 11, 32), np.float32)
+    explicit = ops.flash_attn_ext(q, k, v, scale=48 ** -0.5)
+    got = ops.flash_attn_ext(q, k, v)
+    assert got.tobytes() == explicit.tobytes()
+    assert not np.array_equal(got, ops.flash_attn_ext(q, k, v, scale=1.0))
+    out = np.empty_like(got)
+    ops.flash_attn_ext(q, k, v, out=out)  # the route with out=
+    assert out.tobytes() == explicit.tobytes()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # torch, when installed
 def test_against_torch_sdpa():

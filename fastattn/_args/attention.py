@@ -19,6 +19,11 @@ MAX_HEADS = 256
 SOFTCAP_MIN = float(np.finfo(np.float32).smallest_subnormal)
 
 
+def default_scale(DK: int) -> float:
+    """``scale`` when none is given: DK^-0.5, as torch's scaled_dot_product_attention and FlashAttention."""
+    return DK ** -0.5
+
+
 class AttentionArgs(NamedTuple):
     q: np.ndarray  # (B, Hq, Nq, DK) float32
     k: np.ndarray | Quantized  # (Bk, Hkv, Nkv, DK) float32 / float16 / bfloat16, or Q8_0 / Q4_0 blocks
@@ -78,7 +83,7 @@ def parse(q, k, vv, mask, scale, max_bias, logit_softcap, sinks, path, out, *, o
         if Bm < 1 or Hm < 1 or Hq % Hm or B % Bm:
             raise ValueError(f"mask's head axis must divide Hq = {Hq} and its batch axis B = {B}, "
                              f"got shape {mask.shape}")
-    scale = v.real("scale", scale)
+    scale = default_scale(DK) if scale is None else v.real("scale", scale)
     if not abs(scale) <= FLOAT32_MAX:
         raise ValueError(f"scale must be in float32's range [-{FLOAT32_MAX}, {FLOAT32_MAX}], got {scale}")
     max_bias = v.real("max_bias", max_bias)
