@@ -130,10 +130,11 @@ def real(name: str, value, *, minimum: float | None = None, maximum: float | Non
 def integer(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
     """An integer scalar (Python or NumPy, or a 0-d array; not bool), optionally bounded; returned as a Python
     int."""
-    value = scalar(value)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {scalar_type(value)}")
-    value = int(value)
+    if value.__class__ is not int:  # a Python int (the usual case) needs neither check nor conversion
+        value = scalar(value)
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an integer, got {scalar_type(value)}")
+        value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     if maximum is not None and value > maximum:
