@@ -321,6 +321,80 @@ def test_bad_out_and_path():
         fastattn.flash_attn_ext(q, k, v, scale=1.0, path="fast")
 
 
+@pytest.mark.parametrize("ops", [fastattn, reference], ids=["fast", "reference"])
+def test_token_major_heads_are_refused_with_the_transpose(ops):
+    """FlashAttention's (B, N, H, D) arrays of 512 tokens read as 512 heads, and every count divides: refused
+    (no model has more than 256 heads), naming the transpose, before anything is written."""
+    q = np.ones((1, 512, 32, 128), np.float32)  # 512 tokens of 32 query heads
+    k = np.ones((1, 512, 8, 128), np.float32)  # 512 keys of 8 KV heads
+    out = np.full((1, 32, 512, 128), 7.0, np.float32)  # the (B, Nq, Hq, DV) of the misread call
+    with pytest.raises(ValueError, match=r"at most 256 heads.*\(B, H, N, D\).*x\.transpose\(0, 2, 1, 3\)"):
+        ops.flash_attn_ext(q, k, k, scale=0.125, out=out)
+    assert (out == 7.0).all()
+    with pytest.raises(ValueError, match="transpose"):  # without out
+        ops.flash_attn_ext(q, k, k, scale=0.125)
+
+
+@pytest.mark.parametrize("ops", [fastattn, reference], ids=["fast", "reference"])
+def test_token_major_single_head_decode_shape_is_refused(ops):
+    """One head of 300 tokens, token-major, reads as 300 heads of one query row: the shape of a decode call,
+    which the fast side's decode route takes without the parser. It must refuse it too, writing nothing."""
+    rng = np.random.default_rng(7)
+    if ops is fastattn:  # make sure the route exists for float32 K/V (a first call of a key takes the parser)
+        q1, k1 = rng.standard_normal((1, 4, 1, 64), np.float32), rng.standard_normal((1, 2, 9, 64), np.float32)
+        fastattn.flash_attn_ext(q1, k1, k1, scale=0.125)
+        fastattn.flash_attn_ext(q1, k1, k1, scale=0.125)
+        assert fastattn.attention._decode_route.get((np.dtype(np.float32),) * 2) is not None
+    q = rng.standard_normal((1, 300, 1, 64), np.float32)  # (B, N, H, D): 300 tokens, 1 head
+    k = rng.standard_normal((1, 300, 1, 64), np.float32)
+    out = np.full((1, 1, 300, 64), 7.0, np.float32)  # (B, Nq, Hq, DV) of the misread call
+    with pytest.raises(ValueError, match="at most 256 heads"):
+        ops.flash_attn_ext(q, k, k, scale=0.125, out=out)
+    assert (out == 7.0).all()
+
+
+@pytest.mark.parametrize("ops", [fastattn, reference], ids=["fast", "reference"])
+def test_out_with_heads_and_rows_swapped_names_both_fixes(ops):
+    """Token-major q, k, v with out in their (B, N, H, D) layout: out reads as (B, Hq, Nq, DV) swapped. The
+    message gives both fixes (q, k, v transposed, or out transposed), and out is not written."""
+    q = np.ones((1, 6, 4, 16), np.float32)  # 6 tokens of 4 heads, read as 6 heads of 4 rows
+    k = np.ones((1, 6, 2, 16), np.float32)
+    out = np.full((1, 6, 4, 16), 7.0, np.float32)
+    with pytest.raises(ValueError, match=r"swaps Hq = 6 and Nq = 4.*x\.transpose\(0, 2, 1, 3\).*out\.transpose"):
+        ops.flash_attn_ext(q, k, k, scale=0.25, out=out)
+    assert (out == 7.0).all()
+
+
+@pytest.mark.parametrize("ops", [fastattn, reference], ids=["fast", "reference"])
+def test_legitimate_layouts_next_to_the_token_major_checks_pass(ops):
+    """Nq == Hq with out given, decode (Nq == 1) with out, and 256 heads: all valid (B, H, N, D) calls."""
+    rng = np.random.default_rng(8)
+    for q_shape, k_shape in [((1, 4, 4, 16), (1, 2, 5, 16)), ((2, 8, 1, 16), (2, 2, 7, 16)),
+                             ((1, 256, 2, 16), (1, 256, 3, 16))]:
+        q, k = rng.standard_normal(q_shape, np.float32), rng.standard_normal(k_shape, np.float32)
+        out = np.full((q_shape[0], q_shape[2], q_shape[1], 16), 7.0, np.float32)
+        ops.flash_attn_ext(q, k, k, scale=0.25, out=out)
+        assert np.array_equal(out, ops.flash_attn_ext(q, k, k, scale=0.25))
+        assert_within_rule(out, reference.flash_attn_ext(q, k, k, scale=0.25, out=np.empty(out.shape)),
+                           naive_f32(q, k, k, None, scale=0.25), floor=FLOOR)
+
+
+@pytest.mark.parametrize("ops", [fastattn, reference], ids=["fast", "reference"])
+@pytest.mark.parametrize("Nq", [1, 5])  # 1: the fast side's decode route; 5: the general path
+def test_scale_defaults_to_head_size_to_the_minus_half(ops, Nq):
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((1, 4, Nq, 48), np.float32)
+    k = rng.standard_normal((1, 2, 11, 48), np.float32)
+    v = rng.standard_normal((1, 2, 11, 32), np.float32)
+    explicit = ops.flash_attn_ext(q, k, v, scale=48 ** -0.5)
+    got = ops.flash_attn_ext(q, k, v)
+    assert got.tobytes() == explicit.tobytes()
+    assert not np.array_equal(got, ops.flash_attn_ext(q, k, v, scale=1.0))
+    out = np.empty_like(got)
+    ops.flash_attn_ext(q, k, v, out=out)  # the route with out=
+    assert out.tobytes() == explicit.tobytes()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # torch, when installed
 def test_against_torch_sdpa():

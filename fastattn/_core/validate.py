@@ -95,11 +95,28 @@ def out_array(name: str, out, *, shape: tuple[int, ...], dtypes: Iterable[np.dty
     return out
 
 
+def scalar(value):
+    """The element of a 0-d ndarray (a NumPy scalar), else ``value`` itself. A 0-d array is what a 0-d torch
+    tensor becomes (``_tensors.accept_tensors``) and what NumPy reductions return: it is read as the number it
+    holds. Arrays with axes stay arrays, for the caller's TypeError."""
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        return value[()]
+    return value
+
+
+def scalar_type(value) -> str:
+    """The type named in a scalar check's TypeError (an array's shape too: (1,) is not a scalar)."""
+    if isinstance(value, np.ndarray):
+        return f"an ndarray of shape {value.shape} (a scalar, or a 0-d array, is expected)"
+    return type(value).__name__
+
+
 def real(name: str, value, *, minimum: float | None = None, maximum: float | None = None) -> float:
-    """A finite real scalar (Python or NumPy), optionally bounded; returned as a Python float."""
+    """A finite real scalar (Python or NumPy, or a 0-d array), optionally bounded; returned as a Python float."""
     if value.__class__ is not float:  # a Python float (the usual case) needs neither check nor conversion
+        value = scalar(value)
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-            raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+            raise TypeError(f"{name} must be a real number, got {scalar_type(value)}")
         value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
@@ -111,10 +128,13 @@ def real(name: str, value, *, minimum: float | None = None, maximum: float | Non
 
 
 def integer(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
-    """An integer scalar (Python or NumPy, not bool), optionally bounded; returned as a Python int."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
-    value = int(value)
+    """An integer scalar (Python or NumPy, or a 0-d array; not bool), optionally bounded; returned as a Python
+    int."""
+    if value.__class__ is not int:  # a Python int (the usual case) needs neither check nor conversion
+        value = scalar(value)
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an integer, got {scalar_type(value)}")
+        value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     if maximum is not None and value > maximum:

@@ -100,21 +100,23 @@ def _runner(path: str):
 
 
 def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
-                   scale: float, max_bias: float = 0.0, logit_softcap: float = 0.0,
+                   scale: float | None = None, max_bias: float = 0.0, logit_softcap: float = 0.0,
                    sinks: np.ndarray | None = None, path: str = "auto", out: np.ndarray | None = None
                    ) -> np.ndarray:
     """softmax(scale·QKᵀ [softcap] + slope·mask, sinks) V; returns ``out`` (B, Nq, Hq, DV) float32.
 
     q (B, Hq, Nq, DK) float32; k (Bk, Hkv, Nkv, DK) and v (Bk, Hkv, Nkv, DV) float32, float16 or bfloat16
     ndarrays or ``Quantized`` (Q8_0 / Q4_0, D a multiple of 32, read as their dequantized values), with
-    Hq % Hkv == 0 and B % Bk == 0; mask float32/float16 with 2 to 4 axes (..., >= Nq rows, Nkv columns), its
-    head and batch axes dividing Hq and B (applied modulo, as ggml); ``-inf`` masks. ``max_bias`` > 0 multiplies
-    the mask by ggml's ALiBi slope of each head; ``logit_softcap`` > 0 applies softcap·tanh(s/softcap) before the
-    mask; ``sinks`` (Hq,) float32 joins each head's softmax denominator. ``path``: "auto", "one_chunk", "tiled"
-    or "split_kv" (Nq == 1 only). Every input may be a strided view; ``out`` (float32, any strides, not
-    overlapping an input) is written in full. Rows with every score masked give zeros.
+    Hq % Hkv == 0 and B % Bk == 0 (at most 256 heads: more raise ValueError, as a token-major (B, N, H, D) call
+    would give them; pass such arrays as ``x.transpose(0, 2, 1, 3)``); ``scale`` defaults to DK^-0.5; mask
+    float32/float16 with 2 to 4 axes (..., >= Nq rows, Nkv columns), its head and batch axes dividing Hq and B
+    (applied modulo, as ggml); ``-inf`` masks. ``max_bias`` > 0 multiplies the mask by ggml's ALiBi slope of each
+    head; ``logit_softcap`` > 0 applies softcap·tanh(s/softcap) before the mask; ``sinks`` (Hq,) float32 joins
+    each head's softmax denominator. ``path``: "auto", "one_chunk", "tiled" or "split_kv" (Nq == 1 only). Every
+    input may be a strided view; ``out`` (float32, any strides, not overlapping an input) is written in full. Rows
+    with every score masked give zeros.
     """
-    if (mask is None and sinks is None and (scale.__class__ is float or scale.__class__ is _F64)
+    if (mask is None and sinks is None and (scale.__class__ is float or scale.__class__ is _F64 or scale is None)
             and max_bias.__class__ is float
             and logit_softcap.__class__ is float and max_bias == 0.0 and logit_softcap == 0.0
             and path.__class__ is str and (path == "auto" or path == "one_chunk") and q.__class__ is _ND
@@ -124,6 +126,8 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
         entry = _decode_route.get((k.dtype, v.dtype))  # the route (see _dispatch)
         if entry is not None and q.shape[2] == 1:  # decode only: no wasted out for a prefill call
             Hq = q.shape[1]
+            if scale is None:  # the parser's default; an empty head (DK 0) is declined by the entry, then refused
+                scale = _args.default_scale(q.shape[3]) if q.shape[3] else 1.0
             result = np.empty((q.shape[0], 1, Hq, v.shape[3]), FLOAT32) if out is None else out
             n_threads = _threads.get_num_threads()
             with _decode_team(q, k, v, n_threads) as launch:

@@ -12,8 +12,16 @@ from ..quant.blocks import Quantized
 PATHS = ("auto", "one_chunk", "tiled", "split_kv")
 #: The kernels compute in float32: scalars beyond its range would turn into inf there (NaN or zero outputs).
 FLOAT32_MAX = v.FLOAT32_MAX
+#: More query or KV heads than any model has: such a count is the token axis of a token-major (B, N, H, D) array
+#: read as (B, H, N, D), which would give wrong numbers silently whenever the counts happen to divide.
+MAX_HEADS = 256
 #: The smallest positive logit_softcap: below it float32 rounds the cap to 0, which the kernels read as "off".
 SOFTCAP_MIN = float(np.finfo(np.float32).smallest_subnormal)
+
+
+def default_scale(DK: int) -> float:
+    """``scale`` when none is given: DK^-0.5, as torch's scaled_dot_product_attention and FlashAttention."""
+    return DK ** -0.5
 
 
 class AttentionArgs(NamedTuple):
@@ -39,6 +47,16 @@ def parse(q, k, vv, mask, scale, max_bias, logit_softcap, sinks, path, out, *, o
     DV = vv.shape[3]
     if min(q.shape) < 1 or min(k.shape) < 1 or min(vv.shape) < 1:
         raise ValueError(f"q, k and v must have no empty axis, got q {q.shape}, k {k.shape}, v {vv.shape}")
+    if Hq > MAX_HEADS or Hkv > MAX_HEADS:
+        raise ValueError(f"q and k must have at most {MAX_HEADS} heads on axis 1, got q.shape {q.shape} and k.shape "
+                         f"{k.shape}: {_TOKEN_MAJOR}")
+    if isinstance(out, np.ndarray) and out.shape == (B, Hq, Nq, DV) and Hq != Nq:
+        # out reads as (B, Hq, Nq, DV): either q, k, v are token-major and out is in their layout, or out alone
+        # is in torch's (B, H, N, D) layout; nothing here tells which, so the message gives both fixes
+        raise ValueError(f"out must have shape (B, Nq, Hq, DV) = {(B, Nq, Hq, DV)} (ggml's permuted output), got "
+                         f"{out.shape}, which swaps Hq = {Hq} and Nq = {Nq}. Either q, k and v are token-major: "
+                         f"{_TOKEN_MAJOR}; or out is in torch's (B, H, N, D) output layout; pass "
+                         f"out.transpose(0, 2, 1, 3), a view that writes the same array")
     if DKk != DK:
         raise ValueError(f"k must have head size DK = q.shape[3] = {DK}, got k.shape {k.shape}")
     if vv.shape[:3] != k.shape[:3]:
@@ -65,7 +83,7 @@ def parse(q, k, vv, mask, scale, max_bias, logit_softcap, sinks, path, out, *, o
         if Bm < 1 or Hm < 1 or Hq % Hm or B % Bm:
             raise ValueError(f"mask's head axis must divide Hq = {Hq} and its batch axis B = {B}, "
                              f"got shape {mask.shape}")
-    scale = v.real("scale", scale)
+    scale = default_scale(DK) if scale is None else v.real("scale", scale)
     if not abs(scale) <= FLOAT32_MAX:
         raise ValueError(f"scale must be in float32's range [-{FLOAT32_MAX}, {FLOAT32_MAX}], got {scale}")
     max_bias = v.real("max_bias", max_bias)
@@ -83,10 +101,6 @@ def parse(q, k, vv, mask, scale, max_bias, logit_softcap, sinks, path, out, *, o
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     out_shape = (B, Nq, Hq, DV)
     if out is not None:
-        if isinstance(out, np.ndarray) and out.shape == (B, Hq, Nq, DV) and Hq != Nq:
-            raise ValueError(f"out must have shape (B, Nq, Hq, DV) = {out_shape} (ggml's permuted output), got "
-                             f"{out.shape}, torch's (B, H, N, D) output layout; pass out.transpose(0, 2, 1, 3), "
-                             f"a view that writes the same array")
         v.out_array("out", out, shape=out_shape, dtypes=out_dtypes)
         for name, a in (("q", q), ("k", _memory(k)), ("v", _memory(vv)), ("mask", mask), ("sinks", sinks)):
             if a is not None and np.may_share_memory(out, a):
@@ -109,6 +123,11 @@ def _kv_array(name: str, a) -> None:
 def _memory(a):
     """The array holding ``a``'s memory (a ``Quantized``'s bytes)."""
     return a.data if isinstance(a, Quantized) else a
+
+
+_TOKEN_MAJOR = ("q, k and v must be (B, H, N, D), as torch's scaled_dot_product_attention takes them; token-major "
+                "(B, N, H, D) arrays (FlashAttention's layout) can be passed as x.transpose(0, 2, 1, 3), a view "
+                "(no copy)")
 
 
 def _token_major_hint(q: np.ndarray, k: np.ndarray) -> str:

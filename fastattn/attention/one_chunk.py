@@ -19,6 +19,7 @@ import numpy as np
 from numba import prange, types
 
 from .._core import threads as _threads
+from .args import MAX_HEADS  # more heads read as a token-major call: declined, the parser raises
 from .group import group_rows_handle, load_group_queries
 from .layout import element_strides, flat4, flat_mask, live_range, no_sinks, spans_of
 from .rows import ROWS
@@ -174,16 +175,17 @@ def decode_fast(unit, rows, q, k, v, out, slopes, sinks, scale, auto_splittable,
     """The decode fast path of ``flash_attn_ext`` (``_core.dispatch``): one_chunk on q (B, Hq, 1, DK) float32 and
     k/v kernel views, no mask, softcap or ALiBi, slopes all ones and sinks -inf (Hq,). Returns False, having
     written nothing, unless the shapes are valid (no empty axis, DK matching, v like k, Hkv | Hq, Bk | B, out
-    (B, 1, Hq, DV)), ``auto`` would take one_chunk (``auto_splittable``: auto and K, V of one split_kv storage
-    type), scale is within float32's range, every array is aligned to its element size and out overlaps none of
-    q, k, v. ``n_threads``: the thread count ``auto``'s rule sees; ``launch_threads``: the threads to run on
-    (``_core.threads.team``'s choice) when at least ``min_bytes`` of K/V are read."""
+    (B, 1, Hq, DV), at most MAX_HEADS query heads), ``auto`` would take one_chunk (``auto_splittable``: auto and
+    K, V of one split_kv storage type), scale is within float32's range, every array is aligned to its element
+    size and out overlaps none of q, k, v. ``n_threads``: the thread count ``auto``'s rule sees;
+    ``launch_threads``: the threads to run on (``_core.threads.team``'s choice) when at least ``min_bytes`` of K/V
+    are read."""
     B, Hq, Nq, DK = q.shape
     Bk, Hkv, Nkv, DKk = k.shape
     DV = v.shape[3]
-    if (Nq != 1 or B < 1 or Hq < 1 or DK < 1 or Bk < 1 or Hkv < 1 or Nkv < 1 or DV < 1 or DKk != DK
-            or v.shape[0] != Bk or v.shape[1] != Hkv or v.shape[2] != Nkv or Hq % Hkv != 0 or B % Bk != 0
-            or out.shape != (B, 1, Hq, DV) or slopes.shape[0] != Hq or sinks.shape[0] != Hq
+    if (Nq != 1 or B < 1 or Hq < 1 or Hq > MAX_HEADS or DK < 1 or Bk < 1 or Hkv < 1 or Nkv < 1 or DV < 1
+            or DKk != DK or v.shape[0] != Bk or v.shape[1] != Hkv or v.shape[2] != Nkv or Hq % Hkv != 0
+            or B % Bk != 0 or out.shape != (B, 1, Hq, DV) or slopes.shape[0] != Hq or sinks.shape[0] != Hq
             or not abs(scale) <= FLOAT32_MAX):
         return False
     # same_storage: the variable (True here), not a literal True, which would compile splits_decode once more

@@ -26,13 +26,14 @@ FLOAT64 = np.dtype(np.float64)
 
 
 def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
-                   scale: float, max_bias: float = 0.0, logit_softcap: float = 0.0,
+                   scale: float | None = None, max_bias: float = 0.0, logit_softcap: float = 0.0,
                    sinks: np.ndarray | None = None, path: str = "auto", out: np.ndarray | None = None
                    ) -> np.ndarray:
     """softmax(scale·QKᵀ [softcap] + slope·mask, sinks) V, in float64; returns float32 (or fills ``out``).
 
     q (B, Hq, Nq, DK) float32; k (Bk, Hkv, Nkv, DK), v (Bk, Hkv, Nkv, DV) float32/float16/bfloat16 or
-    ``Quantized`` (Q8_0 / Q4_0: their dequantized values);
+    ``Quantized`` (Q8_0 / Q4_0: their dequantized values); at most 256 heads (token-major arrays are refused, see
+    ``fastattn.flash_attn_ext``); ``scale`` defaults to DK^-0.5;
     mask broadcastable as ggml (..., >= Nq rows, Nkv columns); sinks (Hq,) float32; ``path`` is accepted
     for signature parity with ``fastattn.flash_attn_ext`` and ignored. ``out`` (B, Nq, Hq, DV) float32 or float64.
     """

@@ -35,6 +35,17 @@ def quantize(x: np.ndarray, qtype: str) -> Quantized:
     if not isinstance(qtype, str) or qtype not in BLOCK_BYTES:
         raise ValueError(f"qtype must be one of {tuple(BLOCK_BYTES)}, got {qtype!r}")
     blocks = x.astype(_F32).reshape(-1, BLOCK)
+    # a block holding inf or NaN gets an inf or NaN scale and codes cast from NaN, and a scale past float16's range
+    # is stored as inf: ggml's float arithmetic does the same (these bytes match gguf's), so NumPy's warnings are off
+    with np.errstate(over="ignore", invalid="ignore"):
+        d, body = _quantize_blocks(blocks, qtype)
+        d_bytes = d.astype(np.float16).astype("<f2").view(np.uint8).reshape(-1, 2)
+    data = np.concatenate([d_bytes, body], axis=1)
+    return Quantized(data.reshape(x.shape[:-1] + (x.shape[-1] // BLOCK * BLOCK_BYTES[qtype],)), qtype)
+
+
+def _quantize_blocks(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(d (n_blocks,) float32, the code bytes (n_blocks, 16 or 32)) of float32 ``blocks`` (n_blocks, 32)."""
     if qtype == "q8_0":
         amax = np.abs(blocks).max(axis=1) if blocks.size else np.zeros(0, _F32)
         d = (amax / _F32(127.0)).astype(_F32)
@@ -48,9 +59,7 @@ def quantize(x: np.ndarray, qtype: str) -> Quantized:
         scaled = blocks * _inverse(d)[:, None]
         q = np.minimum(15, np.trunc(scaled + _F32(8.5))).astype(np.uint8)
         body = q[:, :BLOCK // 2] | (q[:, BLOCK // 2:] << 4)
-    d_bytes = d.astype(np.float16).astype("<f2").view(np.uint8).reshape(-1, 2)
-    data = np.concatenate([d_bytes, body], axis=1)
-    return Quantized(data.reshape(x.shape[:-1] + (x.shape[-1] // BLOCK * BLOCK_BYTES[qtype],)), qtype)
+    return d, body
 
 
 def dequantize(a: Quantized) -> np.ndarray:
@@ -64,4 +73,5 @@ def dequantize(a: Quantized) -> np.ndarray:
     else:
         nibbles = blocks[:, 2:]
         q = np.concatenate([nibbles & 15, nibbles >> 4], axis=1).astype(_F32) - _F32(8.0)
-    return (q * d).astype(_F32).reshape(a.shape)
+    with np.errstate(invalid="ignore"):  # an inf scale times a code of 0 is NaN, as in ggml's dequantizers
+        return (q * d).astype(_F32).reshape(a.shape)

@@ -27,10 +27,6 @@ from .._core.validate import STORAGE_FLOATS
 
 from .quant import quantize
 
-_DEFAULTS = dict(freq_base=10000.0, freq_scale=1.0, n_ctx_orig=0, ext_factor=0.0, attn_factor=1.0,
-                 beta_fast=32.0, beta_slow=1.0, freq_factors=None, sections=None, backward=False)
-
-
 def _c_max(a, b):
     return a if a > b else b  # C's MAX macro: with a NaN it returns b
 
@@ -121,20 +117,19 @@ class RopeCache:
     params: _args.RopeParams
 
 
-def rope_cache(pos: np.ndarray, *, n_dims: int, mode: int, **kwargs) -> RopeCache:
+def rope_cache(pos: np.ndarray, *, n_dims: int, mode: int, freq_base: float = 10000.0, freq_scale: float = 1.0,
+               n_ctx_orig: int = 0, ext_factor: float = 0.0, attn_factor: float = 1.0, beta_fast: float = 32.0,
+               beta_slow: float = 1.0, freq_factors: np.ndarray | None = None, sections=None,
+               backward: bool = False) -> RopeCache:
     """The cos/sin table of ``rope_ext`` for positions ``pos``; apply it with ``apply_rope_cache``."""
-    params = _args.parse_params(n_dims=n_dims, mode=mode, **{**_DEFAULTS, **_known(kwargs)})
+    params = _args.parse_params(n_dims=n_dims, mode=mode, freq_base=freq_base, freq_scale=freq_scale,
+                                n_ctx_orig=n_ctx_orig, ext_factor=ext_factor, attn_factor=attn_factor,
+                                beta_fast=beta_fast, beta_slow=beta_slow, freq_factors=freq_factors,
+                                sections=sections, backward=backward)
     pos = _args.parse_pos(pos, params)
     theta, mscale = rope_angles(pos, params)
     sign = -1.0 if params.backward else 1.0
     return RopeCache(np.cos(theta) * mscale, np.sin(theta) * mscale * sign, params)
-
-
-def _known(kwargs: dict) -> dict:
-    unknown = set(kwargs) - set(_DEFAULTS)
-    if unknown:
-        raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}")
-    return kwargs
 
 
 def apply_rope_cache(x: np.ndarray, cache: RopeCache, *, out: np.ndarray | None = None) -> np.ndarray:
@@ -191,15 +186,21 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
 
 
 def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarray, *, n_dims: int, mode: int,
-                  **kwargs) -> np.ndarray:
+                  freq_base: float = 10000.0, freq_scale: float = 1.0, n_ctx_orig: int = 0,
+                  ext_factor: float = 0.0, attn_factor: float = 1.0, beta_fast: float = 32.0,
+                  beta_slow: float = 1.0, freq_factors: np.ndarray | None = None, sections=None,
+                  backward: bool = False) -> np.ndarray:
     """``rope_ext(x)`` (x: (N, H, D)) written into rows ``idx`` of the cache ``dst`` ((R, H, D) or (R, H·D)),
     converted to ``dst``'s dtype (a ``Quantized`` dst: quantized from float32, D a multiple of 32); duplicate
     indices: the last row wins. Returns ``dst``."""
-    params = _args.parse_params(n_dims=n_dims, mode=mode, **{**_DEFAULTS, **_known(kwargs)})
+    rope = dict(n_dims=n_dims, mode=mode, freq_base=freq_base, freq_scale=freq_scale, n_ctx_orig=n_ctx_orig,
+                ext_factor=ext_factor, attn_factor=attn_factor, beta_fast=beta_fast, beta_slow=beta_slow,
+                freq_factors=freq_factors, sections=sections, backward=backward)
+    params = _args.parse_params(**rope)
     dst3, idx = _args.parse_set_rows(dst, x, idx, params, dst_dtypes=STORAGE_FLOATS,
-                                     reads=(("pos", pos), ("freq_factors", kwargs.get("freq_factors"))))
+                                     reads=(("pos", pos), ("freq_factors", freq_factors)))
     _args.parse_pos(pos, params, x.shape[0])
-    rotated = rope_ext(x, pos, n_dims=n_dims, mode=mode, out=np.empty(x.shape), **kwargs)
+    rotated = rope_ext(x, pos, out=np.empty(x.shape), **rope)
     _write(dst, dst3, rotated, idx)
     return dst
 

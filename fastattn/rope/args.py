@@ -178,8 +178,9 @@ def _parse_params(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, a
     n_dims = _validate.integer("n_dims", n_dims, minimum=2)
     if n_dims % 2:
         raise ValueError(f"n_dims must be even, got {n_dims}")
+    mode = _validate.scalar(mode)
     if isinstance(mode, (bool, np.bool_)) or not isinstance(mode, (int, np.integer)):
-        raise TypeError(f"mode must be one of the ROPE_* constants, got {type(mode).__name__}")
+        raise TypeError(f"mode must be one of the ROPE_* constants, got {_validate.scalar_type(mode)}")
     try:
         mode = RopeMode(int(mode))
     except ValueError:
@@ -202,6 +203,7 @@ def _parse_params(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, a
     if not abs(mscale) <= _validate.FLOAT32_MAX:  # the kernels store cos and sin times mscale as float32
         raise ValueError(f"attn_factor must keep the magnitude scale within float32's range (|scale| <= "
                          f"{_validate.FLOAT32_MAX:.6g}), got attn_factor={attn_factor} (scale {mscale:.6g})")
+    backward = _validate.scalar(backward)
     if not isinstance(backward, (bool, np.bool_)):
         raise TypeError(f"backward must be a bool, got {type(backward).__name__}")
 
