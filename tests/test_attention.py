@@ -20,6 +20,7 @@ import fastattn
 from fastattn.attention import split_kv as _attention_split_kv
 from fastattn._core import threads as _threads
 from fastattn import reference
+import fastattn.attention.api
 from fastattn.attention.api import choose_path
 
 PATHS = ["one_chunk", "split_kv", "tiled", "auto"]
@@ -344,7 +345,7 @@ def test_token_major_single_head_decode_shape_is_refused(ops):
         q1, k1 = rng.standard_normal((1, 4, 1, 64), np.float32), rng.standard_normal((1, 2, 9, 64), np.float32)
         fastattn.flash_attn_ext(q1, k1, k1, scale=0.125)
         fastattn.flash_attn_ext(q1, k1, k1, scale=0.125)
-        assert fastattn.attention._decode_route.get((np.dtype(np.float32),) * 2) is not None
+        assert fastattn.attention.api._decode_route.get((np.dtype(np.float32),) * 2) is not None
     q = rng.standard_normal((1, 300, 1, 64), np.float32)  # (B, N, H, D): 300 tokens, 1 head
     k = rng.standard_normal((1, 300, 1, 64), np.float32)
     out = np.full((1, 1, 300, 64), 7.0, np.float32)  # (B, Nq, Hq, DV) of the misread call
