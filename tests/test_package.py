@@ -138,3 +138,51 @@ def test_each_op_package_starts_at_its_api_module(part):
     for name in ops:
         assert getattr(fastattn, name).__module__ in (f"fastattn.{part}.api", "fastattn._core.tensors")
         assert (PACKAGE / part / "api.py").read_text().count(f"\ndef {name}(") == 1
+
+
+def _unit_calls(driver):
+    """The argument tuples of ``driver``'s ``call_unit(unit, (...))`` calls, as source text per element."""
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(driver.py_func)))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "call_unit":
+            yield [ast.unparse(e) for e in node.args[1].elts]
+
+
+def test_every_driver_calls_its_unit_with_the_units_parameters():
+    """A work unit's signature declares its arguments (``_core.kernel.work_unit``); each driver passes its own
+    arguments of those names, in that order, then the unit's extra arguments."""
+    import fastattn.attention.api  # noqa: F401  (declares the attention units)
+    import fastattn.rope.api  # noqa: F401  (declares the RoPE units)
+    from fastattn._core.kernel import WORK_UNITS
+
+    import inspect
+    assert len(WORK_UNITS) >= 7
+    for (unit_kernel, _, extra), drivers in WORK_UNITS:
+        params = list(inspect.signature(unit_kernel.py_func).parameters)
+        shared = params[:len(params) - len(extra)]
+        for driver in drivers:
+            calls = list(_unit_calls(driver))
+            assert calls, f"{driver.py_func.__qualname__} never calls its unit"
+            for passed in calls:
+                assert len(passed) == len(params) and passed[:len(shared)] == shared, (
+                    f"{driver.py_func.__qualname__} passes {passed} to {unit_kernel.py_func.__qualname__}{params}")
+
+
+def test_a_driver_without_a_units_parameter_fails_at_declaration():
+    from types import SimpleNamespace
+
+    from fastattn._core.kernel import WORK_UNITS, work_unit
+
+    def unit(q, k, extra_arg, u):
+        pass
+
+    def driver(unit, q, k):
+        pass
+
+    before = len(WORK_UNITS)
+    with pytest.raises(TypeError, match="extra_arg"):
+        work_unit(SimpleNamespace(py_func=unit), SimpleNamespace(py_func=driver), extra=(None,))
+    assert len(WORK_UNITS) == before

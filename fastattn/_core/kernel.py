@@ -17,6 +17,7 @@ reassociates reductions and contracts FMAs.
 """
 from __future__ import annotations
 
+import inspect
 import zlib
 
 import numba
@@ -331,6 +332,41 @@ def adjacent_rows(*arrays) -> bool | None:
         if a is not None and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
             return None
     return True
+
+
+def argument_positions(driver, *names: str) -> tuple:
+    """The positions of the parameters ``names`` among ``driver``'s arguments after its unit handle (its first
+    parameter, ``unit``, when it takes one): what ``call_any_layout``'s ``strided`` and a unit's shared
+    arguments index. Raises TypeError (at import, where units and drivers are declared) naming a parameter the
+    driver lacks."""
+    params = list(inspect.signature(driver.py_func).parameters)
+    if params and params[0] == "unit":
+        params = params[1:]
+    missing = [name for name in names if name not in params]
+    if missing:
+        raise TypeError(f"{driver.py_func.__qualname__} has no parameter {', '.join(missing)}")
+    return tuple(params.index(name) for name in names)
+
+
+def work_unit(unit_kernel, *drivers, extra: tuple = ()) -> tuple:
+    """A work unit as ``call_any_layout(driver, ..., unit=...)`` takes it, declared by the unit's own signature:
+    ``(unit_kernel, shared, extra)``. The unit's parameters but its last ``len(extra)`` are the drivers'
+    arguments of the same names (``shared``: their positions, the same in every driver); its last ones, of the
+    Numba types ``extra`` (a task number, a thread slot), the drivers make themselves. A driver that lacks one of
+    the unit's parameters, or has it elsewhere than another driver, raises TypeError at import;
+    ``tests/test_package.py`` checks that each driver's ``call_unit`` passes the unit's parameters in order."""
+    params = list(inspect.signature(unit_kernel.py_func).parameters)
+    shared_names = params[:len(params) - len(extra)]
+    positions = {argument_positions(driver, *shared_names) for driver in drivers}
+    if len(positions) != 1:
+        raise TypeError(f"the drivers of {unit_kernel.py_func.__qualname__} disagree on where its arguments are")
+    unit = (unit_kernel, positions.pop(), tuple(extra))
+    WORK_UNITS.append((unit, drivers))
+    return unit
+
+
+#: Every ``work_unit`` declared, with its drivers (for the test that checks their calls).
+WORK_UNITS: list = []
 
 
 _any_layout_entries: dict = {}

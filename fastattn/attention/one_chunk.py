@@ -25,15 +25,12 @@ from .layout import element_strides, flat4, flat_mask, live_range, no_sinks, spa
 from .rows import ROWS
 from .softmax import finalize
 from .._core.dispatch import aligned, meta, overlaps, unit_rows
-from .._core.kernel import assume_contiguous, call_any_layout, call_unit, check_unit, fetch_add, kernel, use_threads
+from .._core.kernel import (argument_positions, assume_contiguous, call_any_layout, call_unit, check_unit, fetch_add,
+                             kernel, use_threads, work_unit)
 from .._core.validate import FLOAT32_MAX  # the largest |scale|: the fast path declines the rest, the general path raises
 
 #: Query rows per work unit: enough units to balance two threads at small Nq, few enough to amortise the scratch.
 ROW_CHUNK = 4
-
-
-#: Positions of the driver's arguments read through flat4 (q, k, v, mask, out): compiled for any layout.
-STRIDED = (0, 1, 2, 3, 8)
 
 
 @kernel(inline=True)
@@ -105,9 +102,6 @@ def _stream_unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_h
     _unit_rows(_streamed, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u)
 
 
-#: The drivers' unit (``_core.kernel.call_any_layout``): ``_unit`` on the drivers' first twelve arguments and a unit
-#: number.
-UNIT = (_unit, tuple(range(12)), (types.int64,))
 #: The decode route's unit on float32 K/V (``attention._route_unit``).
 STREAM_UNIT = _stream_unit
 
@@ -130,6 +124,13 @@ def _parallel(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, pe
         while u < n_units:
             call_unit(unit, (q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u))
             u = fetch_add(next_unit)
+
+
+#: The drivers' unit (``_core.kernel.work_unit``): ``_unit`` on the drivers' arguments of its parameters' names
+#: and a unit number.
+UNIT = work_unit(_unit, _serial, _parallel, extra=(types.int64,))
+#: The driver's arguments read through flat4: compiled for any layout.
+STRIDED = argument_positions(_serial, "q", "k", "v", "mask", "out")
 
 
 def run_one_chunk(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:

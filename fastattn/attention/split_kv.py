@@ -37,7 +37,8 @@ from .group import group_rows_handle, load_group_queries
 from .layout import element_strides, flat4, flat_mask, live_range, no_sinks, spans_of
 from .rows import ROWS
 from .softmax import finalize
-from .._core.kernel import call_any_layout, call_unit, check_unit, fast_exp, fetch_add, kernel
+from .._core.kernel import (argument_positions, call_any_layout, call_unit, check_unit, fast_exp, fetch_add, kernel,
+                             work_unit)
 
 #: Rows per chunk aimed at. Each chunk costs a unit's setup, its partials and a fold step; measured on the
 #: 2-core machine (1 thread, cold cache), 512-1024-row chunks ran 4-20% faster than 256-row ones and matched
@@ -75,8 +76,6 @@ def _partials(B: int, Hkv: int, n_chunks: int, G: int, DV: int):
     return buffers
 
 
-#: Positions of the driver's arguments read through flat4 (q, k, v, mask, out): compiled for any layout.
-STRIDED = (0, 1, 2, 3, 8)
 
 
 @kernel
@@ -148,11 +147,6 @@ def _fold(Mp, Sp, Ap, sinks, out, bh):
     finalize(m, s, acc, np.int64(0), DV, sinks[h], of, oo + b * ost[0] + h * ost[2], ost[3])
 
 
-#: The drivers' unit (``_core.kernel.call_any_layout``): ``_chunk`` on these driver arguments and a unit number;
-#: ``per_head`` as one_chunk's (``attention.one_chunk.UNIT``).
-UNIT = (_chunk, (0, 1, 2, 3, 4, 6, 7, 9, 10, 11, 12, 13, 14, 15), (types.int64,))
-
-
 @kernel
 def _serial(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap, spans, per_head, group):
     for u in range(Mp.shape[0] * Mp.shape[1] * Mp.shape[2]):
@@ -182,6 +176,13 @@ def _parallel(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp,
     # The folds are ~1% of the work: on the calling thread, saving a second fork-join of the pool.
     for bh in range(q.shape[0] * q.shape[1]):
         _fold(Mp, Sp, Ap, sinks, out, bh)
+
+
+#: The drivers' unit (``_core.kernel.work_unit``): ``_chunk`` on the drivers' arguments of its parameters' names
+#: and a unit number; ``per_head`` as one_chunk's (``attention.one_chunk.UNIT``).
+UNIT = work_unit(_chunk, _serial, _parallel, extra=(types.int64,))
+#: The driver's arguments read through flat4: compiled for any layout.
+STRIDED = argument_positions(_serial, "q", "k", "v", "mask", "out")
 
 
 def run_split_kv(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:

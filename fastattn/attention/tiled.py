@@ -47,7 +47,8 @@ from .._core import threads as _threads
 from .tiled_products import (BLOCK_COLS, BLOCK_ROWS, _block_scores, _block_values, _exp_pass, _fma,
                              _values_skipping_zeros)
 from .quantized import widen_rows
-from .._core.kernel import assume_contiguous, call_any_layout, call_unit, fast_exp, fetch_add, kernel, to_f32
+from .._core.kernel import (argument_positions, assume_contiguous, call_any_layout, call_unit, fast_exp, fetch_add,
+                             kernel, to_f32, work_unit)
 
 #: Query rows of one head per tile (a multiple of the register blocks' dimensions: 6 or 16 rows, 16 columns).
 Q_TILE = 48
@@ -309,38 +310,41 @@ def _n_tasks(q, k):
     return q.shape[0] * k.shape[1] * -(-group // HEADS_PER_TASK) * -(-q.shape[2] // Q_TILE)
 
 
-#: The drivers' unit (``_core.kernel.call_any_layout``): ``_task`` on the driver's arguments after ``next_task``, a
-#: thread slot and a task number.
-UNIT = (_task, tuple(range(1, 24)), (types.int64, types.int64))
-
-
 @kernel
 def _run_serial(unit, next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
-                qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds):
+                slot_qt, slot_ks, slot_vs, slot_st, slot_mt, slot_o, slot_m, slot_l, slot_alpha, slot_tile_max,
+                slot_kinds):
     for position in range(_n_tasks(q, k)):
         call_unit(unit, (q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
-                         qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds, np.int64(0), np.int64(position)))
+                         slot_qt, slot_ks, slot_vs, slot_st, slot_mt, slot_o, slot_m, slot_l, slot_alpha,
+                         slot_tile_max, slot_kinds, np.int64(0), np.int64(position)))
 
 
 @kernel(parallel=True)
 def _run_parallel(unit, next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
-                  qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds):
+                  slot_qt, slot_ks, slot_vs, slot_st, slot_mt, slot_o, slot_m, slot_l, slot_alpha, slot_tile_max,
+                  slot_kinds):
     """Each thread slot runs tasks on its own scratch until none is left, taking the next task number from the
     shared counter ``next_task`` (dynamic scheduling: a slot slowed down by another process simply runs fewer)."""
     n_tasks = _n_tasks(q, k)
-    for slot in prange(qt.shape[0]):
+    for slot in prange(slot_qt.shape[0]):
         position = fetch_add(next_task)
         while position < n_tasks:
             call_unit(unit, (q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
-                             qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds, np.int64(slot), position))
+                             slot_qt, slot_ks, slot_vs, slot_st, slot_mt, slot_o, slot_m, slot_l, slot_alpha,
+                             slot_tile_max, slot_kinds, np.int64(slot), position))
             position = fetch_add(next_task)
 
 
 _NO_MASK = np.zeros((1, 1, 1, 1), np.float32)
 _NO_BLOCKS = np.zeros((1, 1, 1, 1, 3), np.int64)
 _NO_SINKS = np.zeros(1, np.float32)
-#: next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out: typed any-layout
-_USER_ARGS = range(13)
+#: The drivers' unit (``_core.kernel.work_unit``): ``_task`` on the drivers' arguments of its parameters' names, a
+#: thread slot and a task number.
+UNIT = work_unit(_task, _run_serial, _run_parallel, extra=(types.int64, types.int64))
+#: The drivers' arguments from the caller, typed any layout (the scratch after them stays C-contiguous).
+_USER_ARGS = argument_positions(_run_serial, "next_task", "q", "k", "v", "mask", "blocks", "has_mask", "slopes",
+                                "sinks", "has_sinks", "scale", "softcap", "out")
 
 
 def run_tiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, slopes: np.ndarray,

@@ -26,7 +26,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-from .._core.kernel import any_layout, assume_contiguous, call_unit, fetch_add, kernel, prefetch
+from .._core.kernel import any_layout, assume_contiguous, call_unit, fetch_add, kernel, prefetch, work_unit
 from .cache import CACHE_BLOCK, cache_block
 from .rotate import (ROWS_STRIDED, TOKEN_BLOCK, ROTATION_FASTMATH, _PICK, rope_block, rotate_rows_adjacent,
                      rotate_rows_split)
@@ -164,10 +164,6 @@ def _cached_tasks(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout,
         task = fetch_add(next_task)
 
 
-#: ``drive_parallel``'s unit (``_core.kernel.call_any_layout``): ``_cached_tasks`` on its arguments but the last.
-CACHED_UNIT = (_cached_tasks, tuple(range(10)), ())
-
-
 @kernel(parallel=True, fastmath=ROTATION_FASTMATH)
 def drive_parallel(unit, x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout, next_task, n_threads):
     """``drive_serial`` on ``n_threads`` threads, which take tasks of TOKENS_PER_TASK tokens from
@@ -199,10 +195,6 @@ def _fused_tasks(x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_sca
         task = fetch_add(next_task)
 
 
-#: ``drive_fused``'s unit (``_core.kernel.call_any_layout``): ``_fused_tasks`` on its arguments but the last.
-FUSED_UNIT = (_fused_tasks, tuple(range(15)), ())
-
-
 @kernel(parallel=True, fastmath=ROTATION_FASTMATH)
 def drive_fused(unit, x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
                 in_place, layout, next_task, n_threads):
@@ -212,3 +204,9 @@ def drive_fused(unit, x, out, idx, keep, pos, streams, w, step_cos, step_sin, co
     for _ in prange(n_threads):
         call_unit(unit, (x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale,
                          interleaved, in_place, layout, next_task))
+
+
+#: ``drive_parallel``'s unit (``_core.kernel.work_unit``): ``_cached_tasks`` on the driver's arguments of its names.
+CACHED_UNIT = work_unit(_cached_tasks, drive_parallel)
+#: ``drive_fused``'s unit: ``_fused_tasks`` on the driver's arguments of its names.
+FUSED_UNIT = work_unit(_fused_tasks, drive_fused)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from .._core.kernel import call_unit, fetch_add, kernel
+from .._core.kernel import call_unit, fetch_add, kernel, work_unit
 from .cache import CACHE_BLOCK, cache_block
 from .rotate import ROTATION_FASTMATH, rope_block
 from ..quant.api import quantize_row
@@ -58,8 +58,6 @@ def _tasks(x, data, idx, keep, cs, n_pairs, interleaved, layout, code, next_task
         task = fetch_add(next_task)
 
 
-#: ``rope_quantize_parallel``'s unit (``_core.kernel.call_any_layout``): ``_tasks`` on its arguments but the last.
-UNIT = (_tasks, tuple(range(10)), ())
 
 
 @kernel(parallel=True, fastmath=ROTATION_FASTMATH)
@@ -91,10 +89,6 @@ def _fused_tasks(x, data, idx, keep, pos, streams, w, step_cos, step_sin, cos_sc
         task = fetch_add(next_task)
 
 
-#: ``rope_quantize_fused``'s unit: ``_fused_tasks`` on its arguments but the last.
-FUSED_UNIT = (_fused_tasks, tuple(range(15)), ())
-
-
 @kernel(parallel=True, fastmath=ROTATION_FASTMATH)
 def rope_quantize_fused(unit, x, data, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale,
                         interleaved, layout, code, next_task, n_threads):
@@ -104,3 +98,9 @@ def rope_quantize_fused(unit, x, data, idx, keep, pos, streams, w, step_cos, ste
     for _ in prange(n_threads):
         call_unit(unit, (x, data, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
                          layout, code, next_task))
+
+
+#: ``rope_quantize_parallel``'s unit (``_core.kernel.work_unit``): ``_tasks`` on the driver's arguments of its names.
+UNIT = work_unit(_tasks, rope_quantize_parallel)
+#: ``rope_quantize_fused``'s unit: ``_fused_tasks`` on the driver's arguments of its names.
+FUSED_UNIT = work_unit(_fused_tasks, rope_quantize_fused)
