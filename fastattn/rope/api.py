@@ -32,7 +32,7 @@ import numpy as np
 
 from .._core import threads as _threads
 from . import args as _args
-from .._core.kernel import call_any_layout, kernel_view
+from .._core.kernel import argument_positions, call_any_layout, kernel_view
 from ..quant.blocks import QTYPE_CODES, Quantized
 from .cache import CACHE_BLOCK, build_cs
 from .drivers import CACHED_UNIT, FUSED_UNIT, drive_fused, drive_parallel, drive_serial
@@ -50,7 +50,10 @@ _INT32 = np.dtype(np.int32)
 #: ``drive_fused``'s array arguments typed as any layout (x, out, idx, pos and the table's arrays), as the route
 #: ``rope.fused`` types them, so that the route and these calls share one compiled ``_fused_tasks``; the drivers'
 #: other calls mark theirs the same way for the same reason.
-_FUSED_ARRAYS = (0, 1, 2, 4, 5, 6, 7, 8)
+_FUSED_ARRAYS = argument_positions(drive_fused, "x", "out", "idx", "pos", "streams", "w", "step_cos", "step_sin")
+#: The cached drivers' arrays typed any layout: x, out and the cos/sin table, and idx when there is one.
+_CACHED_ARRAYS = argument_positions(drive_serial, "x", "out", "cs")
+_CACHED_INDEXED_ARRAYS = argument_positions(drive_serial, "x", "out", "idx", "cs")
 _INT64 = np.dtype(np.int64)
 _UINT8 = np.dtype(np.uint8)
 
@@ -141,10 +144,10 @@ def _rotate(x: np.ndarray, out: np.ndarray, cs: np.ndarray, pairing: tuple) -> N
     flags = (interleaved, out is x, token_layout(xk, ok))
     with _threads.team("apply_rope_cache", nbytes, n_threads) as launch:
         if launch.n > 1:
-            call_any_layout(drive_parallel, (0, 1, 4), xk, ok, None, None, cs, n_pairs, *flags,
+            call_any_layout(drive_parallel, _CACHED_ARRAYS, xk, ok, None, None, cs, n_pairs, *flags,
                             np.zeros(1, np.int64), launch.n, unit=CACHED_UNIT)
         else:
-            call_any_layout(drive_serial, (0, 1, 4), xk, ok, None, None, cs, n_pairs, *flags)
+            call_any_layout(drive_serial, _CACHED_ARRAYS, xk, ok, None, None, cs, n_pairs, *flags)
 
 
 def _last_of_duplicates(idx: np.ndarray) -> np.ndarray:
@@ -174,14 +177,14 @@ def _write_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, params: _args.
         if launch.n == 1:  # in order, every token writes: the last duplicate wins
             if cs is None:
                 cs = build_cs(pos, params)
-            call_any_layout(drive_serial, (0, 1, 2, 4), x1, dk, idx, np.ones(n_tokens, np.bool_), cs, n_pairs,
-                            interleaved, False, layout)
+            call_any_layout(drive_serial, _CACHED_INDEXED_ARRAYS, x1, dk, idx, np.ones(n_tokens, np.bool_), cs,
+                            n_pairs, interleaved, False, layout)
             return
         keep = _last_of_duplicates(idx)
         next_task = np.zeros(1, np.int64)
         if cs is not None:
-            call_any_layout(drive_parallel, (0, 1, 2, 4), x1, dk, idx, keep, cs, n_pairs, interleaved, False,
-                            layout, next_task, launch.n, unit=CACHED_UNIT)
+            call_any_layout(drive_parallel, _CACHED_INDEXED_ARRAYS, x1, dk, idx, keep, cs, n_pairs, interleaved,
+                            False, layout, next_task, launch.n, unit=CACHED_UNIT)
         else:
             table = params.table
             call_any_layout(drive_fused, _FUSED_ARRAYS, x1, dk, idx, keep, pos, table.streams, table.w,
@@ -191,7 +194,10 @@ def _write_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, params: _args.
 
 #: Positions of rope_quantize_fused's arguments typed any layout: x, the cache's bytes, idx, the positions and the
 #: table's arrays (as ``build_cs`` and the float drivers pass them: they share ``cache_block``'s compilation).
-_FUSED_QUANTIZED_ARRAYS = (0, 1, 2, 4, 5, 6, 7, 8)
+_FUSED_QUANTIZED_ARRAYS = argument_positions(rope_quantize_fused, "x", "data", "idx", "pos", "streams", "w",
+                                             "step_cos", "step_sin")
+#: The quantized drivers' arrays typed any layout: x, the cache's bytes and idx.
+_QUANTIZED_ARRAYS = argument_positions(rope_quantize_serial, "x", "data", "idx")
 
 
 def _write_quantized(dst: Quantized, data3: np.ndarray, x: np.ndarray, idx: np.ndarray, params: _args.RopeParams, *,
@@ -215,8 +221,8 @@ def _write_quantized(dst: Quantized, data3: np.ndarray, x: np.ndarray, idx: np.n
         if launch.n == 1:  # in order, every token writes: the last duplicate wins
             if cs is None:
                 cs = build_cs(streams, params)
-            call_any_layout(rope_quantize_serial, (0, 1, 2), xk, data3, idx, np.ones(n_tokens, np.bool_), cs,
-                            params.pairing[0], params.pairing[1], layout, code)
+            call_any_layout(rope_quantize_serial, _QUANTIZED_ARRAYS, xk, data3, idx, np.ones(n_tokens, np.bool_),
+                            cs, params.pairing[0], params.pairing[1], layout, code)
         elif cs is None:  # the tasks make their own cos/sin rows
             table = params.table
             call_any_layout(rope_quantize_fused, _FUSED_QUANTIZED_ARRAYS, xk, data3, idx, _last_of_duplicates(idx),
@@ -224,8 +230,8 @@ def _write_quantized(dst: Quantized, data3: np.ndarray, x: np.ndarray, idx: np.n
                             table.sin_scale, params.pairing[1], layout, code, np.zeros(1, np.int64), launch.n,
                             unit=FUSED_QUANTIZED_UNIT)
         else:
-            call_any_layout(rope_quantize_parallel, (0, 1, 2), xk, data3, idx, _last_of_duplicates(idx), cs,
-                            params.pairing[0], params.pairing[1], layout, code, np.zeros(1, np.int64), launch.n,
+            call_any_layout(rope_quantize_parallel, _QUANTIZED_ARRAYS, xk, data3, idx, _last_of_duplicates(idx),
+                            cs, params.pairing[0], params.pairing[1], layout, code, np.zeros(1, np.int64), launch.n,
                             unit=QUANTIZED_UNIT)
 
 
