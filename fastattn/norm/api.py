@@ -35,13 +35,11 @@ from .._core import layout as _layout
 from .._core import threads as _threads
 from . import args as _args
 from .._core.dispatch import Route, array_type, meta, overlaps, same_view, unit_rows
-from .._core.kernel import (adjacent_rows, assume_contiguous, call_any_layout, from_f32, kernel, kernel_view, rows_if,
-                            to_f32)
+from .._core.kernel import (adjacent_rows, argument_positions, assume_contiguous, call_any_layout, from_f32, kernel,
+                            kernel_view, rows_if, to_f32)
 from .._core.validate import FLOAT32_MAX
 
 _ND = np.ndarray
-_ANY3 = (0, 1, 2)  # the drivers' array arguments, typed any layout (``call_any_layout``)
-_ANY5 = (0, 1, 2, 3, 4)
 _MAX_EPS = float(np.finfo(np.float64).max)
 
 
@@ -147,6 +145,11 @@ def _add_norm_parallel(x, residual, w, s, out, eps, adjacent):
         _norm_row(s, w, out, eps, i, adjacent)
 
 
+#: The drivers' array arguments, typed any layout (``call_any_layout``).
+_NORM_ARRAYS = argument_positions(_norm_serial, "x", "w", "out")
+_ADD_NORM_ARRAYS = argument_positions(_add_norm_serial, "x", "residual", "w", "s", "out")
+
+
 @kernel
 def _norm_fast(x, w, out, eps, max_bytes):
     """The entry kernel of route ``norm.rows`` (``_core.dispatch``): ``rms_norm`` (``w`` None) and ``rms_norm_mul``
@@ -250,12 +253,12 @@ def _norm_rows(op: str, x: np.ndarray, w: np.ndarray | None, out: np.ndarray, ep
 def _norm_rows_with(run, x: np.ndarray, w: np.ndarray | None, out: np.ndarray, eps: float) -> None:
     """``run`` (a norm kernel) over x's rows into out."""
     if x.ndim == 2 and (w is None or w.ndim == 1):  # the common case directly: the generic merge costs a fifth
-        call_any_layout(run, _ANY3, kernel_view(x), None if w is None else kernel_view(w)[None], kernel_view(out),
-                        eps, adjacent_rows(x, w, out))
+        call_any_layout(run, _NORM_ARRAYS, kernel_view(x), None if w is None else kernel_view(w)[None],
+                        kernel_view(out), eps, adjacent_rows(x, w, out))
         return
     for (xk, ok), weights in _blocks([x, out], w):
         wk = None if w is None else weights[0]
-        call_any_layout(run, _ANY3, xk, wk, ok, eps, adjacent_rows(xk, wk, ok))
+        call_any_layout(run, _NORM_ARRAYS, xk, wk, ok, eps, adjacent_rows(xk, wk, ok))
 
 
 def add_rms_norm_mul(x: np.ndarray, residual: np.ndarray, w: np.ndarray, eps: float,
@@ -276,5 +279,5 @@ def add_rms_norm_mul(x: np.ndarray, residual: np.ndarray, w: np.ndarray, eps: fl
     with _threads.team("add_rms_norm_mul", 4 * x.nbytes, _threads.threads_for(4 * x.nbytes)) as launch:
         run = _add_norm_parallel if launch.n > 1 else _add_norm_serial
         for (xk, rk, sk, ok), (wk,) in _blocks([x, residual, sum_out, out], w):
-            call_any_layout(run, _ANY5, xk, rk, wk, sk, ok, eps, adjacent_rows(xk, rk, wk, sk, ok))
+            call_any_layout(run, _ADD_NORM_ARRAYS, xk, rk, wk, sk, ok, eps, adjacent_rows(xk, rk, wk, sk, ok))
     return sum_out, out

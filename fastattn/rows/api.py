@@ -28,14 +28,13 @@ from .._core import layout as _layout
 from .._core import threads as _threads
 from . import args as _args
 from .._core.dispatch import Route, array_type, rows_writable
-from .._core.kernel import (EXACT, adjacent_rows, assume_contiguous, call_any_layout, from_f32, kernel, kernel_view,
-                           rows_if, to_f32)
+from .._core.kernel import (EXACT, adjacent_rows, argument_positions, assume_contiguous, call_any_layout, from_f32,
+                           kernel, kernel_view, rows_if, to_f32)
 from ..quant.blocks import QTYPE_CODES, Quantized
 from ..quant.api import blocks_fill, quantize_row
 
 _ND = np.ndarray
 _UINT8 = np.dtype(np.uint8)
-_ANY3 = (0, 1, 2)  # the drivers' dst, src and idx, typed any layout (``call_any_layout``)
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio
 
@@ -178,13 +177,17 @@ def _set_rows_quantized(dst: Quantized, src: np.ndarray, idx: np.ndarray) -> Qua
     # or strided (quantize_row checks each row's strides itself)
     with _threads.team("set_rows_quantized", src.size * (src.itemsize + 1), n_workers) as launch:
         if launch.n == 1:
-            _write_blocks(blocks, idx, n_rows,
-                          lambda dk, sk, ik: call_any_layout(_set_quantized_serial, (0, 1), dk, sk, ik, code))
+            _write_blocks(blocks, idx, n_rows, lambda dk, sk, ik: call_any_layout(
+                _set_quantized_serial, _QUANTIZED_ROW_ARRAYS, dk, sk, ik, code))
         else:
-            _write_blocks(blocks, idx, n_rows,
-                          lambda dk, sk, ik: call_any_layout(_set_quantized_parallel, (0, 1), dk, sk, ik, code,
-                                                             launch.n))
+            _write_blocks(blocks, idx, n_rows, lambda dk, sk, ik: call_any_layout(
+                _set_quantized_parallel, _QUANTIZED_ROW_ARRAYS, dk, sk, ik, code, launch.n))
     return dst
+
+
+#: The drivers' arrays typed any layout (``call_any_layout``): dst (a quantized cache's bytes), src and idx.
+_ROW_ARRAYS = argument_positions(_set_rows_serial, "dst", "src", "idx")
+_QUANTIZED_ROW_ARRAYS = argument_positions(_set_quantized_serial, "data", "src")
 
 
 def _write_blocks(blocks, idx: np.ndarray, n_rows: int, write) -> None:
@@ -246,8 +249,8 @@ def set_rows(dst: np.ndarray, src: np.ndarray, idx: np.ndarray) -> np.ndarray:
     with _threads.team("set_rows", src.size * (src.itemsize + dst.itemsize), n_workers) as launch:
         if launch.n == 1:
             _write_blocks(blocks, idx, n_rows,
-                          lambda dk, sk, ik: call_any_layout(_set_rows_serial, _ANY3, dk, sk, ik, adjacent))
+                          lambda dk, sk, ik: call_any_layout(_set_rows_serial, _ROW_ARRAYS, dk, sk, ik, adjacent))
         else:
             _write_blocks(blocks, idx, n_rows, lambda dk, sk, ik: call_any_layout(
-                _set_rows_parallel, _ANY3, dk, sk, ik, adjacent, launch.n))
+                _set_rows_parallel, _ROW_ARRAYS, dk, sk, ik, adjacent, launch.n))
     return dst
