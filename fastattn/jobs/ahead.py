@@ -25,7 +25,7 @@ from .progress import Progress, elapsed
 
 #: Op groups in the order their tasks are handed out: the slowest to compile first, so no worker is left with a
 #: long one at the end.
-ORDER = ("attention", "rope", "norm", "set_rows")
+ORDER = ("attention", "rope", "quant", "norm", "set_rows")
 
 
 @dataclass(frozen=True)
