@@ -195,11 +195,14 @@ def _roofs(args, results, thread_counts: list[int], out: TextIO) -> list[dict]:
     roofs = {}
     for n in thread_counts:
         roofs[n] = roof_meter.measure(n)
-        print(f"roofs, {n} thread(s): copy {roofs[n].copy_gbs:.1f} GB/s, read {roofs[n].read_gbs:.1f} GB/s, "
+        print(f"roofs, {n} thread(s): copy {roofs[n].copy_gbs:.1f} GB/s (DRAM), "
+              f"{roofs[n].cache_copy_gbs:.1f} GB/s (in cache; 1 thread {roofs[n].serial_copy_gbs:.1f}), "
+              f"read {roofs[n].read_gbs:.1f} GB/s (DRAM), "
               f"FMA {roofs[n].fma_gflops:.0f} GFLOP/s", file=out)
+    print(roof_meter.NOTE, file=out)
     if args.plot:
         from .jobs.plot import plot
-        plot(results, roofs, args.plot)
+        plot(results, roofs, args.plot)  # each op against its roof: DRAM, in-cache copy or FMA (roof_for)
         print(f"plot written to {args.plot}", file=out)
     return [asdict(r) for r in roofs.values()]
 

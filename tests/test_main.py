@@ -191,6 +191,16 @@ def _numpy_cases(config, rng, *, wrong: bool):
                       check=checks.float32_rule(naive, 1e-6), nbytes=8000)]
 
 
+def test_checks_refuse_a_result_of_another_shape():
+    """A result that only broadcasts against the reference (a case that returned the wrong array) fails."""
+    row = np.ones((1, 4), np.float32)
+    rows = np.ones((3, 4), np.float32)
+    assert checks.float32_rule(row, 1e-6)(row, row.astype(np.float64)).ok
+    assert not checks.float32_rule(row, 1e-6)(rows, rows.astype(np.float64)).ok
+    assert not checks.half_1ulp()(rows.astype(np.float16), row.astype(np.float64)).ok
+    assert not checks.bit_exact()(rows, row).ok
+
+
 @pytest.mark.parametrize("wrong, status", [(False, 0), (True, 1)])
 def test_exit_status_is_1_when_a_case_disagrees(monkeypatch, capsys, wrong, status):
     monkeypatch.setitem(jobs._BUILDERS, "numpy_only",
@@ -297,3 +307,40 @@ def test_progress_on_a_terminal_rewrites_one_line_with_the_compiling_marker():
     assert "[compiled rope_routes kernel fused_entry for float32 in 6.2 s]" in text
     assert text.endswith("\r\x1b[K")
     assert (elapsed(12.34), elapsed(125)) == ("12.3 s", "2:05")
+
+
+def test_the_plot_judges_each_rate_against_its_own_roof(tmp_path):
+    """bench --plot: a GB/s rate whose working set fits the last-level cache is drawn against the in-cache copy
+    (its data stays in cache between the timing's calls, so it may exceed DRAM bandwidth), a larger one against
+    the DRAM copy, one too small for threads against the one-thread in-cache copy, GFLOP/s against the FMA peak;
+    the legend says which is which."""
+    pytest.importorskip("matplotlib")
+    from fastattn.jobs import plot, roofs
+
+    def result(rate, unit, ms):
+        return jobs.Result(op="op", shape="s", path="p", threads=2, max_error=0.0, bound=None, ok=True,
+                           tolerance="", reference_ms=1.0, fast_ms=ms, first_call_ms=1.0, speedup=1.0, rate=rate,
+                           rate_unit=unit)
+
+    measured = roofs.Roofs(2, copy_gbs=20.0, read_gbs=25.0, fma_gflops=300.0, cache_copy_gbs=70.0,
+                           cache_bytes=8 << 20, serial_copy_gbs=40.0, serial_bytes=1 << 20,
+                           last_level_cache_bytes=32 << 20)
+    in_cache = result(45.0, "GB/s", 0.37)  # 16.7 MB per call
+    in_dram = result(15.0, "GB/s", 100.0)  # 1.5 GB per call
+    flops = result(148.0, "GFLOP/s", 14.0)
+    assert plot.working_set(in_cache) == pytest.approx(45e9 * 0.37e-3)
+    assert plot.roof_for(in_cache, measured) == (70.0, "in-cache copy")
+    assert plot.roof_for(in_dram, measured) == (20.0, "DRAM copy")
+    assert plot.roof_for(flops, measured) == (300.0, "FMA peak")
+    serial = result(30.0, "GB/s", 0.0016)  # 48 KB: below the parallel size, run on one thread
+    serial.extra["parallel"] = False
+    assert plot.roof_for(serial, measured) == (40.0, "1-thread in-cache copy")
+    unknown = roofs.Roofs(2, 20.0, 25.0, 300.0, 70.0, 8 << 20, 40.0, 1 << 20, None)  # no cache size: the copy's
+    assert plot.roof_for(in_cache, unknown) == (20.0, "DRAM copy")
+    assert plot.roof_for(result(45.0, "GB/s", 0.1), unknown) == (70.0, "in-cache copy")
+    skipped = jobs.Result(op="set_rows", shape="s", path="p", threads=2, max_error=0.0, bound=None, ok=None,
+                          tolerance="", reference_ms=0.0, fast_ms=0.0, first_call_ms=0.0, speedup=0.0, rate=0.0,
+                          rate_unit="", skipped="bfloat16 needs ml_dtypes")
+    path = tmp_path / "roofs.png"
+    plot.plot([in_cache, in_dram, flops, serial, skipped], {2: measured}, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

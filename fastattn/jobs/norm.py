@@ -37,8 +37,9 @@ def cases(config: Config, rng: np.random.Generator) -> list[Case]:
 
     x = rng.standard_normal((1, d)).astype(np.float32)
     y, y64 = np.empty_like(x), np.empty(x.shape)
-    out.append(Case("rms_norm", f"(1, {d}) f32", "decode", fast=lambda: fastattn.rms_norm(x, eps, out=y),
-                    reference=lambda: ref.rms_norm(x, eps, out=y64), check=float32_rule(naive_f32(x, None, eps), FLOOR),
+    out.append(Case("rms_norm", f"(1, {d}) f32", "decode", fast=lambda x=x, y=y: fastattn.rms_norm(x, eps, out=y),
+                    reference=lambda x=x, y64=y64: ref.rms_norm(x, eps, out=y64),
+                    check=float32_rule(naive_f32(x, None, eps), FLOOR),
                     nbytes=2 * x.nbytes, dtype="float32"))
 
     rows = config.n_prefill

@@ -16,12 +16,15 @@ LEGEND = """\
 ok        the fast result against the float64 NumPy reference (fastattn.reference), by the rule of
           fastattn.testing: float32 results within 2x the error of a plain float32 NumPy evaluation of the
           same formula plus a small floor; float16 results within 1 ulp of the correctly rounded value;
-          set_rows bit-exact (each case's tolerance: "tolerances" in the --json report). "max err" is
-          max |fast - reference|.
+          set_rows, quantize and dequantize bit-exact (each case's tolerance: "tolerances" in the --json
+          report). "max err" is max |fast - reference|. "skipped": the case cannot run here (the reason is
+          given: bfloat16 needs the optional ml_dtypes); it counts neither way.
 ms        time per call, "min / median" over the rounds (each round: back-to-back calls).
 speed-up  reference median / fast median. The reference is plain float64 NumPy, the definition the results
           are checked against, not a tuned competitor; below 1x the fast path is slower than it.
-rate      the fast median as GB/s (bytes read + written) or GFLOP/s (attention prefill).
+rate      the fast median as GB/s (bytes read + written) or GFLOP/s (attention prefill). The timing repeats
+          each call on the same buffers, so a working set that fits the CPU's caches is read from there: its
+          GB/s can exceed the DRAM bandwidth (bench measures both roofs, --plot compares each op with its own).
 1st call  the case's first fast call in a fresh process: it compiles the kernels the case needs ("compiled";
           they are then cached on disk) or loads them from Numba's cache, and picks the path. With --jobs
           above 1 (the default on several cores) the cases' first calls are made before the timing, in that

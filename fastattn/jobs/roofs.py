@@ -1,8 +1,13 @@
-"""The machine's roofs, measured in a fraction of a second: copy and DRAM-read bandwidth, float32 FMA peak.
+"""The machine's roofs, measured in about a second: copy and DRAM-read bandwidth, the copy bandwidth of a working
+set that stays in cache, float32 FMA peak.
 
-These are what `python -m fastattn bench` compares each op's achieved GB/s or GFLOP/s against. The buffers are
-larger than any L3 here (256 MiB), so the bandwidths are DRAM bandwidths; the FMA loop keeps 64 float32
-accumulators (8 ymm registers) in flight per thread.
+These are what `python -m fastattn bench` compares each op's achieved GB/s or GFLOP/s against. The DRAM buffers
+(256 MiB) are larger than the L3 of the CPUs this runs on, so those bandwidths are DRAM bandwidths. The main
+job's timing repeats each call on the same buffers, so an op whose working set fits the last-level cache reads
+it from there, faster than DRAM: such an op is compared against the copy of an in-cache working set
+(``CACHE_BYTES``, copied many times), and an op too small to run on threads against a one-thread copy of
+``SERIAL_BYTES``. The FMA loop keeps 64 float32 accumulators (8 ymm registers)
+in flight per thread.
 """
 from __future__ import annotations
 
@@ -12,9 +17,19 @@ from dataclasses import dataclass
 import numpy as np
 from numba import prange
 
+from .. import _threads
 from .._kernel import kernel
 
 BUFFER_BYTES = 256 << 20
+#: The one-thread in-cache copy's working set: the size below which the ops run serially
+#: (``_threads.PARALLEL_MIN_BYTES``), so theirs is smaller (inside the L2 of current server CPUs).
+SERIAL_BYTES = _threads.PARALLEL_MIN_BYTES
+#: What the roofs printed by ``bench`` mean for the rates in the table.
+NOTE = ("(the timing repeats each call on the same buffers: an op whose working set fits the CPU's caches reads it "
+        "from there,\n so its GB/s can exceed the DRAM copy: its roof is the in-cache copy, on one thread for the ops "
+        "too small to run on threads)")
+#: The in-cache copy's working set (source and destination together): inside the L3 of current server CPUs.
+CACHE_BYTES = 8 << 20
 FMA_ITERATIONS = 20_000_000
 _LANES = 64
 
@@ -63,6 +78,12 @@ class Roofs:
     copy_gbs: float  # (read + write) bytes / s of a large copy
     read_gbs: float  # bytes / s of a large read-only reduction
     fma_gflops: float  # float32 FMA peak, 2 flops per FMA
+    cache_copy_gbs: float = 0.0  # (read + write) bytes / s of a copy whose working set (CACHE_BYTES) stays in cache
+    cache_bytes: int = CACHE_BYTES
+    #: the same on one thread for a working set of SERIAL_BYTES: the roof of the ops too small to run on threads
+    serial_copy_gbs: float = 0.0
+    serial_bytes: int = 0
+    last_level_cache_bytes: int | None = None  # the size sysfs reports (None: unknown)
 
 
 def _best_seconds(fn, repeats: int = 3) -> float:
@@ -76,7 +97,7 @@ def _best_seconds(fn, repeats: int = 3) -> float:
 
 
 def measure(threads: int) -> Roofs:
-    """Measure the three roofs on ``threads`` threads (about 1 s, 512 MiB of memory)."""
+    """Measure the roofs on ``threads`` threads (about 1 s, 512 MiB of memory)."""
     import numba
 
     numba.set_num_threads(threads)
@@ -88,5 +109,15 @@ def measure(threads: int) -> Roofs:
     read_s = _best_seconds(lambda: _read(src, chunks))
     iterations = FMA_ITERATIONS // _LANES * 8
     fma_s = _best_seconds(lambda: _fma(threads, iterations), repeats=2)
+    small = np.ones(CACHE_BYTES // 8, np.float32)
+    small_dst = np.empty_like(small)
+    cache_s = _best_seconds(lambda: _copy(small, small_dst, chunks), repeats=50)
+    numba.set_num_threads(1)
+    tiny, tiny_dst = small[:SERIAL_BYTES // 8], small_dst[:SERIAL_BYTES // 8]
+    serial_s = _best_seconds(lambda: _copy(tiny, tiny_dst, 1), repeats=200)
+    numba.set_num_threads(threads)
+    from .machine import last_level_cache_bytes
+
     return Roofs(threads, 2 * BUFFER_BYTES / copy_s / 1e9, BUFFER_BYTES / read_s / 1e9,
-                 2 * _LANES * iterations * threads / fma_s / 1e9)
+                 2 * _LANES * iterations * threads / fma_s / 1e9, CACHE_BYTES / cache_s / 1e9, CACHE_BYTES,
+                 SERIAL_BYTES / serial_s / 1e9, SERIAL_BYTES, last_level_cache_bytes())
