@@ -21,10 +21,10 @@ RoPE is NEOX by default; ``LlamaConfig(rope_mode=fastattn.ROPE_MROPE, rope_secti
 and explicit cache ``rows`` makes it a Qwen2-VL text layer (with ``LayerWeights.bqkv``, the q/k/v biases).
 
 On a machine with few cores, the idle workers of NumPy's OpenBLAS keep spinning after each matmul and hold the
-cores fastattn's parallel kernels need (docs/design.md); ``OPENBLAS_THREAD_TIMEOUT=4`` in the environment makes them sleep at once, without slowing
-the matmuls (measured in docs/benchmarks.md, "When OpenBLAS's workers sleep"). ``tests/test_llama_layer.py``
-checks it against Hugging Face's ``LlamaModel`` and ``tests/test_qwen2vl_layer.py`` against ``Qwen2VLTextModel``
-when transformers is installed.
+cores fastattn's parallel kernels need (docs/design.md); ``OPENBLAS_THREAD_TIMEOUT=4`` in the environment makes
+them sleep at once, without slowing the matmuls (measured in docs/benchmarks.md, "When OpenBLAS's workers
+sleep"). ``tests/test_llama_layer.py`` checks it against Hugging Face's ``LlamaModel`` and
+``tests/test_qwen2vl_layer.py`` against ``Qwen2VLTextModel`` when transformers is installed.
 """
 from __future__ import annotations
 

@@ -94,7 +94,8 @@ def test_compile_ahead_tasks_keep_cases_sharing_kernels_together():
     for shared in (("flash_attn_ext decode Nkv 512 32/8x128 f16 KV, auto",
                     "flash_attn_ext decode Nkv 512 32/8x128 f16 KV, split_kv"),
                    ("rope_ext (512,32,128) f32, neox out of place",
-                    "rope_ext (512,32,128) f32, neox in place, fused QKV view", "rope_ext (1,32,128) f32, normal, decode"),
+                    "rope_ext (512,32,128) f32, neox in place, fused QKV view",
+                    "rope_ext (1,32,128) f32, normal, decode"),
                    ("apply_rope_cache (1,32,128) f32, decode, prebuilt cache, in place",
                     "rope_ext (16,32,128) f32, mrope, 4x4 image", "rope_cache (16, 2x64) f32, mrope, 4x4 image",
                     "rope_ext (16,32,128) f32, imrope, 4x4 image", "rope_ext (16,16,80) f32, vision, 4x4 image")):
@@ -189,6 +190,28 @@ def _numpy_cases(config, rng, *, wrong: bool):
 
     return [jobs.Case("triple", "(1000,) f32", "numpy", fast=fast, reference=lambda: x.astype(np.float64) * 3,
                       check=checks.float32_rule(naive, 1e-6), nbytes=8000)]
+
+
+def test_a_round_slowed_after_the_sizing_call_ends_early():
+    """Calls that turn slow after the call that sized the rounds (a busy machine) cannot stretch the timing: each
+    round stops at twice its share of the budget, and its figure is the mean of the calls it made."""
+    import time
+
+    from fastattn.jobs.timing import time_rounds
+
+    made = []
+
+    def call():
+        made.append(1)
+        time.sleep(0.01)  # 10 ms, where the sizing call said 10 µs: 5000 calls per round planned
+
+    start = time.perf_counter()
+    timing = time_rounds(call, budget_s=0.1, rounds=2, once_s=1e-5)
+    assert timing.calls == 5000
+    assert time.perf_counter() - start < 0.5  # about 2 x 0.1 s; the planned rounds would take 100 s
+    assert timing.min_ms >= 10 and len(made) < 40
+    quick = time_rounds(lambda: None, budget_s=0.01, rounds=2)  # unslowed: every planned call is made
+    assert quick.calls >= 1
 
 
 def test_checks_refuse_a_result_of_another_shape():

@@ -3,8 +3,9 @@
 Each op module here (``norm``, ``rows``, ...) registers a function that builds its ``Case``s for a ``Config``;
 ``run`` executes them and ``report`` turns the results into the table, its legend, the summary line and the
 warnings. Together the cases call every public op, store into every storage dtype and rotate in every RoPE mode
-(``coverage`` says what a list of cases leaves out; ``python -m fastattn --list`` prints them). ``python -m fastattn`` is the CLI. ``Config`` is also where the benchmarks (bench/) take their shapes
-from, so each shape is defined once.
+(``coverage`` says what a list of cases leaves out; ``python -m fastattn --list`` prints them). ``python -m
+fastattn`` is the CLI. ``Config`` is also where the benchmarks (bench/) take their shapes from, so each shape is
+defined once.
 """
 from __future__ import annotations
 

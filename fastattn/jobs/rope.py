@@ -180,7 +180,7 @@ def rope_cases(config: Config, rng: np.random.Generator) -> list[Case]:
                               xm, pos4, **kwargs, out=np.empty(xm.shape)),
                           check=_rule(xm, pos4, kwargs), nbytes=2 * xm.nbytes, kernels="table", dtype="float32",
                           mode=name))
-        if name == "MROPE":  # the table itself: cos then sin of every pair, as one decode step builds it
+        if name == "MROPE":  # the table itself: cos then sin of every pair, built once for Q and K of these tokens
             theta = _naive_angles(pos4, kwargs)
             cases.append(Case(
                 "rope_cache", f"({tokens}, 2x{theta.shape[1]}) f32", f"mrope, {GRID}x{GRID} image",
