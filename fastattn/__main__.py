@@ -192,13 +192,21 @@ def _roofs(args, results, thread_counts: list[int], out: TextIO) -> list[dict]:
 
     from .jobs import roofs as roof_meter
 
+    from .jobs.plot import working_set
+
     roofs = {}
     for n in thread_counts:
-        roofs[n] = roof_meter.measure(n)
+        # copies of the working sets of the ops that ran on threads: the roofs of those that stay in cache
+        sizes = [working_set(r) for r in results
+                 if r.threads == n and not r.skipped and r.extra.get("parallel", True)]
+        roofs[n] = roof_meter.measure(n, [s for s in sizes if s])
         print(f"roofs, {n} thread(s): copy {roofs[n].copy_gbs:.1f} GB/s (DRAM), "
               f"{roofs[n].cache_copy_gbs:.1f} GB/s (in cache; 1 thread {roofs[n].serial_copy_gbs:.1f}), "
               f"read {roofs[n].read_gbs:.1f} GB/s (DRAM), "
               f"FMA {roofs[n].fma_gflops:.0f} GFLOP/s", file=out)
+        if roofs[n].copy_at:
+            print("  copies by working set: " + ", ".join(f"{size >> 20} MiB {gbs:.1f} GB/s"
+                                                          for size, gbs in sorted(roofs[n].copy_at.items())), file=out)
     print(roof_meter.NOTE, file=out)
     if args.plot:
         from .jobs.plot import plot

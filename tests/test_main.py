@@ -333,7 +333,7 @@ def test_progress_on_a_terminal_rewrites_one_line_with_the_compiling_marker():
 
 
 def test_the_plot_judges_each_rate_against_its_own_roof(tmp_path):
-    """bench --plot: a GB/s rate whose working set fits the last-level cache is drawn against the in-cache copy
+    """bench --plot: a GB/s rate whose working set fits the last-level cache is drawn against a copy of its size
     (its data stays in cache between the timing's calls, so it may exceed DRAM bandwidth), a larger one against
     the DRAM copy, one too small for threads against the one-thread in-cache copy, GFLOP/s against the FMA peak;
     the legend says which is which."""
@@ -352,7 +352,10 @@ def test_the_plot_judges_each_rate_against_its_own_roof(tmp_path):
     in_dram = result(15.0, "GB/s", 100.0)  # 1.5 GB per call
     flops = result(148.0, "GFLOP/s", 14.0)
     assert plot.working_set(in_cache) == pytest.approx(45e9 * 0.37e-3)
-    assert plot.roof_for(in_cache, measured) == (70.0, "in-cache copy")
+    assert plot.roof_for(in_cache, measured) == (70.0, "in-cache copy")  # no copy of its size measured
+    sized = roofs.Roofs(**{**measured.__dict__, "copy_at": {roofs.size_class(45e9 * 0.37e-3): 55.0}})
+    assert roofs.size_class(45e9 * 0.37e-3) == 16 << 20 and roofs.size_class(10) == roofs.SERIAL_BYTES
+    assert plot.roof_for(in_cache, sized) == (55.0, "copy of 16 MiB")  # the copy of its own working set
     assert plot.roof_for(in_dram, measured) == (20.0, "DRAM copy")
     assert plot.roof_for(flops, measured) == (300.0, "FMA peak")
     serial = result(30.0, "GB/s", 0.0016)  # 48 KB: below the parallel size, run on one thread
@@ -365,5 +368,5 @@ def test_the_plot_judges_each_rate_against_its_own_roof(tmp_path):
                           tolerance="", reference_ms=0.0, fast_ms=0.0, first_call_ms=0.0, speedup=0.0, rate=0.0,
                           rate_unit="", skipped="bfloat16 needs ml_dtypes")
     path = tmp_path / "roofs.png"
-    plot.plot([in_cache, in_dram, flops, serial, skipped], {2: measured}, str(path))
+    plot.plot([in_cache, in_dram, flops, serial, skipped], {2: sized}, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

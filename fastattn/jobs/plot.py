@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from . import Result
-from .roofs import BUFFER_BYTES, Roofs
+from .roofs import BUFFER_BYTES, Roofs, size_class
 
 
 def working_set(result: Result) -> float:
@@ -17,16 +17,21 @@ def cache_limit(roofs: Roofs) -> int:
 
 
 def roof_for(result: Result, roofs: Roofs) -> tuple[float, str]:
-    """The roof an op's rate is judged against: FMA peak for GFLOP/s; for GB/s, the copy of a working set in
-    cache when the op's working set fits the last-level cache (the timing repeats calls on the same buffers,
-    which then never leave the cache, so DRAM bandwidth is no bound for them), else the DRAM copy bandwidth. An op
-    below the parallel size runs on one thread: against a one-thread copy of a working set of that size."""
+    """The roof an op's rate is judged against: FMA peak for GFLOP/s; for GB/s, when the op's working set fits
+    the last-level cache (the timing repeats calls on the same buffers, which then never leave the cache, so DRAM
+    bandwidth is no bound for them), a copy of a working set of its size class on the same threads (``copy_at``;
+    the fixed in-cache copy where none was measured), else the DRAM copy bandwidth. An op below the parallel size
+    runs on one thread: against a one-thread copy of a working set of that size."""
     if result.rate_unit == "GFLOP/s":
         return roofs.fma_gflops, "FMA peak"
     if not result.extra.get("parallel", True) and roofs.serial_copy_gbs:
         return roofs.serial_copy_gbs, "1-thread in-cache copy"
-    if roofs.cache_copy_gbs and working_set(result) <= cache_limit(roofs):
-        return roofs.cache_copy_gbs, "in-cache copy"
+    if working_set(result) <= cache_limit(roofs):
+        size = size_class(working_set(result))
+        if size in roofs.copy_at:
+            return roofs.copy_at[size], f"copy of {_mib(size)}"
+        if roofs.cache_copy_gbs:
+            return roofs.cache_copy_gbs, "in-cache copy"
     return roofs.copy_gbs, "DRAM copy"
 
 
@@ -59,7 +64,7 @@ def plot(results: list[Result], roofs_by_threads: dict[int, Roofs], path: str) -
         shares.append(100.0 * r.rate / roof)
         size = f", {_mib(working_set(r))} per call" if r.rate_unit == "GB/s" else ""
         notes.append(f"{r.rate:.1f} {r.rate_unit} of {roof:.0f} ({roof_name}{size})")
-        colours.append(COLOURS[roof_name])
+        colours.append(COLOURS.get(roof_name, COLOURS["in-cache copy"]))  # "copy of N MiB": in cache
     height = 0.42 * len(labels) + 2.6
     fig, ax = plt.subplots(figsize=(11, height))
     y = range(len(labels))
@@ -80,7 +85,9 @@ def plot(results: list[Result], roofs_by_threads: dict[int, Roofs], path: str) -
               label=f"GB/s, working set within {_mib(limit)} (the last-level cache"
                     f"{'' if any_roofs.last_level_cache_bytes else ', size unknown: the in-cache copy size'}): the "
                     f"timing repeats calls on the same buffers,\nso they stay in cache and DRAM bandwidth does not "
-                    f"bound them: against the copy bandwidth of a {_mib(any_roofs.cache_bytes)} working set in cache"),
+                    f"bound them: against a copy of a working set of the same size (the next power of 2) on the "
+                    f"same threads;\nan op in place writes the lines it reads, which a copy to other lines cannot, "
+                    f"and may pass its roof"),
         Patch(color=COLOURS["1-thread in-cache copy"],
               label=f"GB/s of an op below the parallel size (it runs on one thread): against a one-thread copy of "
                     f"a {_mib(any_roofs.serial_bytes)} working set"),
@@ -90,6 +97,6 @@ def plot(results: list[Result], roofs_by_threads: dict[int, Roofs], path: str) -
                         f"{rf.serial_copy_gbs:.0f}), read {rf.read_gbs:.0f} GB/s, FMA {rf.fma_gflops:.0f} GFLOP/s"
                         for t, rf in sorted(roofs_by_threads.items()))
     ax.set_title(f"fastattn: achieved rate per op against measured roofs\n{threads}", fontsize=9)
-    fig.tight_layout(rect=(0, 0.9 / height, 1, 1))  # the legend's lines below the axes
+    fig.tight_layout(rect=(0, 1.0 / height, 1, 1))  # the legend's lines below the axes
     fig.savefig(path, dpi=110)
     plt.close(fig)
