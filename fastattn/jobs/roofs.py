@@ -2,12 +2,12 @@
 set that stays in cache, float32 FMA peak.
 
 These are what `python -m fastattn bench` compares each op's achieved GB/s or GFLOP/s against. The DRAM buffers
-(256 MiB) are larger than the L3 of the CPUs this runs on, so those bandwidths are DRAM bandwidths. The main
-job's timing repeats each call on the same buffers, so an op whose working set fits the last-level cache reads
-it from there, faster than DRAM: such an op is compared against a copy of a working set of its size (the next
-power of 2: ``copy_at``, or ``CACHE_BYTES`` where none was measured) on the same threads, copied many times, and
-an op too small to run on threads against a one-thread copy of ``SERIAL_BYTES``. The FMA loop keeps 64 float32 accumulators (8 ymm registers)
-in flight per thread.
+(256 MiB) are larger than the L3 of most CPUs, so those bandwidths are DRAM bandwidths. The main job's timing
+repeats each call on the same buffers, so an op whose working set fits the last-level cache reads it from there,
+faster than DRAM: such an op is compared against a copy of a working set of its size (the next power of 2:
+``copy_at``, or ``CACHE_BYTES`` where none was measured) on the same threads, copied many times, and an op too
+small to run on threads against a one-thread copy of ``SERIAL_BYTES``. The FMA loop keeps 64 float32
+accumulators (8 ymm registers) in flight per thread.
 """
 from __future__ import annotations
 
