@@ -1,17 +1,30 @@
-"""Generate with a tiny transformers model on "sdpa", "eager" and "fastattn" attention, and time each token.
+"""transformers with attn_implementation "fastattn" against "sdpa" (and "eager"): the same tokens, and the speed
+of decode steps at a long context.
 
 The model is built from a config with random weights (nothing is downloaded): a small Llama (hidden 512, 8 query
-heads, 2 KV heads, head dim 64, 4 layers) by default, or any other decoder with ``--model``. The same weights
-generate greedily from the same random prompt with each attention implementation; the script prints the time per
-token of each and whether the generated tokens agree with eager's.
+heads, 2 KV heads, head dim 64, 4 layers, float32) by default, or another decoder with ``--model``. Two parts:
 
-    python examples/hf_generate.py [--prompt 512] [--new 32] [--model llama|mistral|gemma2|gpt_oss] [--threads 2]
+1. Generation: the same weights generate greedily from the same random prompt with "eager", "sdpa" and
+   "fastattn"; fastattn's tokens must equal eager's (the script exits with status 1 otherwise).
+2. Speed: decode steps at a context of ``--context`` tokens (default 16384) in a ``StaticCache`` of random K/V,
+   one token of fastattn and one of sdpa per round, in alternating order, so that both see the same machine;
+   it prints each one's median time per token and the speed-up, sdpa's median / fastattn's (and the ratio of
+   the fastest tokens, the better guide on a busy machine). fastattn's gain is in the attention over a long
+   cache: at a few hundred cached tokens the two are about even, because the rest of the token (projections,
+   MLP, transformers' Python) is the same work for both (docs/transformers.md gives the measured figures).
+
+    python examples/hf_generate.py [--context 16384] [--rounds 15] [--model llama] [--threads 2] [--eager]
+    python examples/hf_generate.py --short      # seconds: a short prompt and a 512-token context
 
 Needs torch and transformers (``docs/transformers.md`` says how to get torch's CPU build).
 """
 from __future__ import annotations
 
 import argparse
+import inspect
+import os
+import statistics
+import sys
 import time
 
 import torch
@@ -20,7 +33,11 @@ import transformers
 import fastattn
 from fastattn.integrations import transformers as fa_hf
 
-IMPLEMENTATIONS = ("sdpa", "eager", "fastattn")
+IMPLEMENTATIONS = ("eager", "sdpa", "fastattn")
+
+#: The forward argument that takes the cache: ``cache`` in recent transformers, ``past_key_values`` before.
+_CACHE_ARGUMENT = ("cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters
+                   else "past_key_values")
 
 
 def make_config(name: str):
@@ -39,35 +56,108 @@ def make_config(name: str):
     raise SystemExit(f"unknown --model {name!r}: llama, mistral, gemma2 or gpt_oss")
 
 
-class TokenClock(transformers.StoppingCriteria):
-    """Records the time at which each new token is produced (a stopping criterion that never stops)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.times.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
-
-def generate(model, prompt: torch.Tensor, new_tokens: int, implementation: str):
+def generate(model, prompt: torch.Tensor, new_tokens: int, implementation: str) -> torch.Tensor:
     model.set_attn_implementation(implementation)
-    clock = TokenClock()
-    start = time.perf_counter()
-    out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                         stopping_criteria=[clock], pad_token_id=0)
-    first = clock.times[0] - start  # the prefill
-    per_token = (clock.times[-1] - clock.times[0]) / max(1, len(clock.times) - 1)
-    return out, first, per_token
+    return model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                          pad_token_id=0)
 
 
-def main() -> None:
+class Decoder:
+    """A ``StaticCache`` filled with ``context`` rows of random K/V; ``step()`` runs the model on one token at the
+    next position with one attention implementation, writing its K/V into the cache in place."""
+
+    def __init__(self, model, context: int, steps: int):
+        config = model.config
+        self.model = model
+        self.cache = transformers.StaticCache(config=config, max_cache_len=context + steps + 8)
+        generator = torch.Generator().manual_seed(context)
+        shape = (1, config.num_key_value_heads, context, config.head_dim)
+        for layer in range(config.num_hidden_layers):
+            self.cache.update(torch.randn(shape, generator=generator), torch.randn(shape, generator=generator),
+                              layer)
+        self.position = context
+        self.token = torch.tensor([[5]])
+
+    def step(self, implementation: str) -> float:
+        """One decode step; its seconds."""
+        self.model.set_attn_implementation(implementation)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            self.model(input_ids=self.token, **{_CACHE_ARGUMENT: self.cache}, use_cache=True,
+                       cache_position=torch.tensor([self.position]))
+        self.position += 1
+        return time.perf_counter() - start
+
+
+def check_tokens(model, vocab: int, prompt_len: int, new: int) -> bool:
+    """Part 1: greedy generation with each implementation; True when fastattn's tokens equal eager's."""
+    prompt = torch.randint(1, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(1))
+    outputs = {}
+    for name in IMPLEMENTATIONS:
+        start = time.perf_counter()
+        try:
+            outputs[name] = generate(model, prompt, new, name)
+        except ValueError as error:  # transformers refuses sdpa for some architectures (gpt-oss)
+            print(f"  {name:9s} not available for this model: {str(error).splitlines()[0][:90]}")
+            continue
+        print(f"  {name:9s} {time.perf_counter() - start:6.2f} s for a {prompt_len}-token prompt and {new} new "
+              f"tokens" + ("  (first calls compile or load fastattn's kernels)" if name == "fastattn" else ""))
+    same = torch.equal(outputs["fastattn"], outputs["eager"])
+    if "sdpa" in outputs and not torch.equal(outputs["sdpa"], outputs["eager"]):
+        print("  (sdpa's tokens differ from eager's: float32 rounding picked another token at a near tie)")
+    print(f"checked: fastattn's {new} generated tokens {'equal' if same else 'DIFFER from'} eager's "
+          f"({'passed' if same else 'FAILED'})")
+    return same
+
+
+def measure_speed(model, context: int, rounds: int, eager: bool) -> None:
+    """Part 2: paired decode steps at ``context``; prints the medians and sdpa / fastattn."""
+    names = ["fastattn", "sdpa"] + (["eager"] if eager else [])
+    decoders = {name: Decoder(model, context, rounds + 1) for name in names}
+    for name in list(names):  # one untimed step each: fastattn's decode kernels, torch's first-call work
+        try:
+            decoders[name].step(name)
+        except ValueError as error:
+            print(f"  {name} not available for this model: {str(error).splitlines()[0][:90]}")
+            names.remove(name)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for k in range(rounds):
+        for name in names[k % len(names):] + names[:k % len(names)]:  # the order rotates round by round
+            times[name].append(decoders[name].step(name))
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    for name in names:
+        print(f"  {name:9s} {medians[name] * 1e3:8.2f} ms/token (median of {rounds}, fastest "
+              f"{min(times[name]) * 1e3:.2f})")
+    if "sdpa" in medians:
+        fastest = min(times["sdpa"]) / min(times["fastattn"])
+        print(f"speed-up over sdpa at a context of {context} tokens: {medians['sdpa'] / medians['fastattn']:.2f}x "
+              f"(sdpa's median time per token / fastattn's; by the fastest tokens {fastest:.2f}x)")
+    load, cores = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0, os.cpu_count() or 1
+    if load > cores:  # other processes held the cores: the medians include waits for a CPU
+        print(f"  (the machine is busy: load average {load:.1f} on {cores} cores; the fastest tokens are the "
+              f"better guide, and a rerun on a quiet machine the best)")
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompt", type=int, default=512, help="prompt length in tokens (default 512)")
-    parser.add_argument("--new", type=int, default=32, help="tokens to generate (default 32)")
+    parser.add_argument("--context", type=int, default=None,
+                        help="tokens in the cache for the speed part (default 16384; --short: 512)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="decode steps per implementation (default 15; --short: 3)")
+    parser.add_argument("--prompt", type=int, default=None,
+                        help="prompt length of the generation part (default 64; --short: 16)")
+    parser.add_argument("--new", type=int, default=None,
+                        help="tokens to generate in the generation part (default 16; --short: 4)")
     parser.add_argument("--model", default="llama", help="llama, mistral, gemma2 or gpt_oss (default llama)")
     parser.add_argument("--threads", type=int, default=None, help="threads for torch and fastattn")
-    args = parser.parse_args()
+    parser.add_argument("--eager", action="store_true", help="time eager's decode steps too (slow at long contexts)")
+    parser.add_argument("--short", action="store_true",
+                        help="a quick run: a 16-token prompt, 4 new tokens, a 512-token context, 3 rounds (each "
+                             "unless given)")
+    args = parser.parse_args(argv)
+    for name, default, short in (("context", 16384, 512), ("rounds", 15, 3), ("prompt", 64, 16), ("new", 16, 4)):
+        if getattr(args, name) is None:
+            setattr(args, name, short if args.short else default)
     if args.threads:
         torch.set_num_threads(args.threads)
         fastattn.set_num_threads(args.threads)
@@ -75,26 +165,14 @@ def main() -> None:
     config = make_config(args.model)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    prompt = torch.randint(1, config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(1))
-    print(f"{args.model}: prompt {args.prompt} tokens, {args.new} new, {torch.get_num_threads()} torch threads, "
+    print(f"{args.model}: {config.num_hidden_layers} layers, {torch.get_num_threads()} torch threads, "
           f"{fastattn.get_num_threads()} fastattn threads")
-    start = time.perf_counter()  # fastattn's first calls compile (or load from the disk cache) its kernels
-    generate(model, prompt, 2, "fastattn")
-    print(f"  fastattn warm-up (first prefill and decode calls): {time.perf_counter() - start:.1f} s")
-    outputs = {}
-    for name in IMPLEMENTATIONS:
-        try:
-            outputs[name], first, per_token = generate(model, prompt, args.new, name)
-        except ValueError as error:  # transformers refuses sdpa for some architectures (gpt-oss)
-            print(f"  {name:9s} not available for this model: {str(error).splitlines()[0][:90]}")
-            continue
-        agree = "" if name == "eager" or "eager" not in outputs else (
-            "  tokens agree with eager" if torch.equal(outputs[name], outputs["eager"]) else
-            "  tokens DIFFER from eager")
-        print(f"  {name:9s} prefill {first * 1e3:8.1f} ms   {per_token * 1e3:7.2f} ms/token{agree}")
-    if "sdpa" in outputs and not torch.equal(outputs["sdpa"], outputs["eager"]):
-        print("  (sdpa's tokens differ from eager's)")
+    print(f"generation: a {args.prompt}-token prompt, {args.new} new tokens, greedy")
+    same = check_tokens(model, config.vocab_size, args.prompt, args.new)
+    print(f"decode at a context of {args.context} tokens (a StaticCache of random K/V), {args.rounds} paired rounds")
+    measure_speed(model, args.context, args.rounds, args.eager)
+    return 0 if same else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

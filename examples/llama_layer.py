@@ -2,6 +2,10 @@
 
     python examples/llama_layer.py [--prefill 512] [--decode 16] [--threads 2] [--small] [--kv q8_0]
 
+It prints the time per token of prefill and decode and the share of each op, then runs the same layer on
+``fastattn.reference``'s ops with the same inputs and checks every output against it (``TOLERANCE``); the exit
+status is 1 when they disagree. ``--small`` is a quick run (seconds once the kernels are compiled).
+
 The layer, per call on N new tokens at positions ``pos`` (the non-GEMM ops are fastattn's, the GEMMs NumPy's):
 
     h    = rms_norm_mul(x, attn_norm)                   fused RMSNorm * weight
@@ -16,12 +20,11 @@ The layer, per call on N new tokens at positions ``pos`` (the non-GEMM ops are f
 RoPE is NEOX by default; ``LlamaConfig(rope_mode=fastattn.ROPE_MROPE, rope_sections=(...))`` with (4, N) positions
 and explicit cache ``rows`` makes it a Qwen2-VL text layer (with ``LayerWeights.bqkv``, the q/k/v biases).
 
-It prints the time per token of prefill and decode and the share of each op. On a machine with few cores, the
-idle workers of NumPy's OpenBLAS keep spinning after each matmul and hold the cores fastattn's parallel kernels
-need (docs/design.md); ``OPENBLAS_THREAD_TIMEOUT=4`` in the environment makes them sleep at once, without slowing
-the matmuls (measured in docs/benchmarks.md, "When OpenBLAS's workers sleep"). ``tests/test_llama_layer.py``
-checks it against Hugging Face's ``LlamaModel`` and ``tests/test_qwen2vl_layer.py`` against ``Qwen2VLTextModel``
-when transformers is installed.
+On a machine with few cores, the idle workers of NumPy's OpenBLAS keep spinning after each matmul and hold the
+cores fastattn's parallel kernels need (docs/design.md); ``OPENBLAS_THREAD_TIMEOUT=4`` in the environment makes
+them sleep at once, without slowing the matmuls (measured in docs/benchmarks.md, "When OpenBLAS's workers
+sleep"). ``tests/test_llama_layer.py`` checks it against Hugging Face's ``LlamaModel`` and
+``tests/test_qwen2vl_layer.py`` against ``Qwen2VLTextModel`` when transformers is installed.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import fastattn
+import fastattn.reference
 
 
 @dataclass(frozen=True)
@@ -88,13 +92,16 @@ class LlamaLayer:
     run on a machine takes long).
     """
 
-    def __init__(self, weights: LayerWeights, config: LlamaConfig, kv_dtype=np.float16, announce: bool = False):
-        """``kv_dtype``: the cache's dtype (float16, float32, bfloat16) or a quantized type, "q8_0" or "q4_0"."""
-        self.w, self.c = weights, config
+    def __init__(self, weights: LayerWeights, config: LlamaConfig, kv_dtype=np.float16, announce: bool = False,
+                 ops=fastattn):
+        """``kv_dtype``: the cache's dtype (float16, float32, bfloat16) or a quantized type, "q8_0" or "q4_0".
+        ``ops``: the module whose ops the layer calls, ``fastattn`` or ``fastattn.reference`` (the same names and
+        signatures: the reference layer the script checks against)."""
+        self.w, self.c, self.ops = weights, config, ops
         shape = (config.max_ctx, config.n_head_kv, config.head_dim)
         if isinstance(kv_dtype, str) and kv_dtype in ("q8_0", "q4_0"):
-            self.k_cache = fastattn.quantize(np.zeros(shape, np.float32), kv_dtype)  # (R, Hkv, D) of blocks
-            self.v_cache = fastattn.quantize(np.zeros(shape, np.float32), kv_dtype)
+            self.k_cache = ops.quantize(np.zeros(shape, np.float32), kv_dtype)  # (R, Hkv, D) of blocks
+            self.v_cache = ops.quantize(np.zeros(shape, np.float32), kv_dtype)
         else:
             self.k_cache = np.zeros(shape, kv_dtype)
             self.v_cache = np.zeros(shape, kv_dtype)
@@ -122,7 +129,7 @@ class LlamaLayer:
         ``pos`` is (N,) int32, or (4, N) (streams t, h, w, e) for the M-RoPE modes. ``rows`` (N,) int32 are the
         tokens' KV-cache rows, which the causal mask orders; they default to ``pos`` when it is (N,).
         """
-        c, w, t = self.c, self.w, self._timed
+        c, w, t, ops = self.c, self.w, self._timed, self.ops
         n, hq, hkv, d = x.shape[0], c.n_head, c.n_head_kv, c.head_dim
         self._stage = "decode" if n == 1 else "prefill"
         if rows is None:
@@ -131,7 +138,7 @@ class LlamaLayer:
             rows = pos
         rope = dict(n_dims=d, mode=c.rope_mode, freq_base=c.rope_base, sections=c.rope_sections)
         with t("rms_norm_mul"):
-            h = fastattn.rms_norm_mul(x, w.attn_norm, c.eps)
+            h = ops.rms_norm_mul(x, w.attn_norm, c.eps)
         with t("matmul"):
             qkv = h @ w.wqkv
             if w.bqkv is not None:
@@ -140,13 +147,13 @@ class LlamaLayer:
         k = qkv[:, hq * d:(hq + hkv) * d].reshape(n, hkv, d)
         v = qkv[:, (hq + hkv) * d:].reshape(n, hkv, d)
         with t("rope"):
-            cache = fastattn.rope_cache(pos, **rope)
-            fastattn.apply_rope_cache(q, cache, out=q)
+            cache = ops.rope_cache(pos, **rope)
+            ops.apply_rope_cache(q, cache, out=q)
         with t("rope_set_rows"):
-            fastattn.rope_set_rows(self.k_cache, k, pos, rows, **rope)
+            ops.rope_set_rows(self.k_cache, k, pos, rows, **rope)
         with t("set_rows"):
             # set_rows writes rows of the second-to-last axis: the (R, Hkv, D) cache as (R, Hkv*D), no copy
-            fastattn.set_rows(_cache_view(self.v_cache, lambda a: a.reshape(c.max_ctx, -1)), v.reshape(n, hkv * d),
+            ops.set_rows(_cache_view(self.v_cache, lambda a: a.reshape(c.max_ctx, -1)), v.reshape(n, hkv * d),
                               rows)
         n_kv = int(rows.max()) + 1
         with t("flash_attn_ext"):
@@ -154,12 +161,12 @@ class LlamaLayer:
             keys = _cache_view(self.k_cache, lambda a: a[:n_kv].transpose(1, 0, 2)[None])
             values = _cache_view(self.v_cache, lambda a: a[:n_kv].transpose(1, 0, 2)[None])
             mask = np.where(np.arange(n_kv)[None, :] <= rows[:, None], 0.0, -np.inf).astype(np.float16)
-            attn = fastattn.flash_attn_ext(q.transpose(1, 0, 2)[None], keys, values, mask,
+            attn = ops.flash_attn_ext(q.transpose(1, 0, 2)[None], keys, values, mask,
                                            scale=1.0 / np.sqrt(d))  # (1, N, Hq, D)
         with t("matmul"):
             projected = attn.reshape(n, hq * d) @ w.wo
         with t("add_rms_norm_mul"):
-            s, h = fastattn.add_rms_norm_mul(x, projected, w.ffn_norm, c.eps)
+            s, h = ops.add_rms_norm_mul(x, projected, w.ffn_norm, c.eps)
         with t("matmul"):
             gate = h @ w.w_gate
             up = h @ w.w_up
@@ -185,20 +192,46 @@ def _report(label: str, layer: LlamaLayer, seconds: float, tokens: int) -> None:
     layer.times.clear()
 
 
-def main(argv=None) -> None:
+#: The check's bound on max |fast - reference| over every output, as a share of the reference's largest
+#: |value|, by KV cache type. The fast and reference ops agree to float32 rounding (fastattn.testing's rule), but
+#: the cache rounds K and V to its type, where a float32 difference in the last place can move a value across a
+#: rounding boundary: by one float16 ulp (2^-11 relative), or one step of a Q8_0 / Q4_0 block (1/127 or 1/8 of the
+#: block's largest value) for a quantized cache. Such a step reaches the output through attention's weighted mean.
+TOLERANCE = {"f16": 2e-4, "q8_0": 2e-3, "q4_0": 2e-2}
+
+
+def check_against_reference(weights: LayerWeights, config: LlamaConfig, kv: str, inputs, outputs) -> bool:
+    """Run the same layer on ``fastattn.reference``'s ops (float64 NumPy, the definition of each op; the GEMMs
+    are the same NumPy float32 ones) on the same inputs, and compare every output with ``TOLERANCE``."""
+    reference = LlamaLayer(weights, config, np.float16 if kv == "f16" else kv, ops=fastattn.reference)
+    expected = [reference.forward(x, pos) for x, pos in inputs]
+    error = max(float(np.abs(got - want).max()) for got, want in zip(outputs, expected))
+    bound = TOLERANCE[kv] * max(float(np.abs(want).max()) for want in expected)
+    ok = error <= bound
+    print(f"checked against fastattn.reference (the same layer on the reference ops, {len(inputs)} calls): "
+          f"max |fast - reference| = {error:.3g}, bound {bound:.3g} ({TOLERANCE[kv]:g} x the largest |output|, "
+          f"{kv} cache): {'passed' if ok else 'FAILED'}")
+    return ok
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prefill", type=int, default=512)
-    parser.add_argument("--decode", type=int, default=16)
+    parser.add_argument("--prefill", type=int, default=None, help="prompt tokens (default 512; --small: 64)")
+    parser.add_argument("--decode", type=int, default=None, help="decode steps (default 16; --small: 4)")
     parser.add_argument("--threads", type=int, default=fastattn.get_num_threads())
-    parser.add_argument("--small", action="store_true", help="a 1/8-width layer (quick)")
+    parser.add_argument("--small", action="store_true",
+                        help="a quick run: a 1/8-width layer, a 64-token prefill and 4 decode steps")
     parser.add_argument("--kv", choices=("f16", "q8_0", "q4_0"), default="f16",
                         help="the KV cache's type: float16, or quantized as llama.cpp's -ctk/-ctv q8_0 / q4_0")
     args = parser.parse_args(argv)
+    args.prefill = args.prefill or (64 if args.small else 512)
+    args.decode = args.decode or (4 if args.small else 16)
     kv_dtype = np.float16 if args.kv == "f16" else args.kv
     config = LlamaConfig(hidden=512, n_head=8, n_head_kv=2, head_dim=64, ffn=1536) if args.small else LlamaConfig()
     config = LlamaConfig(**{**config.__dict__, "max_ctx": args.prefill + args.decode})
     fastattn.set_num_threads(args.threads)
-    layer = LlamaLayer(LayerWeights.random(config), config, kv_dtype)
+    weights = LayerWeights.random(config)
+    layer = LlamaLayer(weights, config, kv_dtype)
     rng = np.random.default_rng(1)
     # Run the same shapes once untimed, so every kernel variant they pick (tiled vs one_chunk vs split_kv
     # attention, serial vs parallel norms and row writes) is compiled or loaded from Numba's cache first.
@@ -212,15 +245,19 @@ def main(argv=None) -> None:
     print(f"kernels ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
     x = rng.standard_normal((args.prefill, config.hidden)).astype(np.float32)
+    inputs = [(x, np.arange(args.prefill, dtype=np.int32))]
     t0 = time.perf_counter()
-    y = layer.forward(x, np.arange(args.prefill, dtype=np.int32))
+    outputs = [layer.forward(*inputs[0])]
     _report(f"prefill ({args.threads} threads)", layer, time.perf_counter() - t0, args.prefill)
-    token = y[-1:]
+    token = outputs[0][-1:]
     t0 = time.perf_counter()
     for step in range(args.decode):
-        token = layer.forward(token, np.array([args.prefill + step], np.int32))
+        inputs.append((token, np.array([args.prefill + step], np.int32)))
+        token = layer.forward(*inputs[-1])
+        outputs.append(token)
     _report(f"decode ({args.threads} threads)", layer, time.perf_counter() - t0, args.decode)
+    return 0 if check_against_reference(weights, config, args.kv, inputs, outputs) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -9,7 +9,8 @@ from typing import TextIO
 from ._core import threads as _threads
 
 HELP = """\
-Check every op of fastattn against its float64 NumPy reference on a Llama-3-8B-like layer, and time both.
+Check every op of fastattn, in every storage dtype and RoPE mode, against its float64 NumPy reference on a
+Llama-3-8B-like layer, and time both.
 
 commands:
   check    (the default) compare each fast op with the reference and time both
@@ -18,13 +19,15 @@ commands:
 
 examples:
   python -m fastattn
+  python -m fastattn --list                       the cases (op, dtype, RoPE mode), without running them
   python -m fastattn --threads 1,2 --ops norm,rope
   python -m fastattn --json - > report.json       only JSON on stdout; the table goes to stderr
   python -m fastattn bench --plot roofs.png
   python -m fastattn warmup --dtypes float32,float16
 
 The first call of each op compiles its kernels (seconds each; cached on disk afterwards); the progress on
-stderr says when. Exit status: 0 when every case agrees with the reference, 1 when one does not (or a warm-up
+stderr says when. A case that cannot run here (bfloat16 without ml_dtypes) is reported as skipped, with the
+reason. Exit status: 0 when every case that ran agrees with the reference, 1 when one does not (or a warm-up
 unit failed), 2 for bad arguments.
 """
 
@@ -68,7 +71,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_thread_list, default=None,
                    help="thread counts, e.g. 1,2. check/bench: run at each (default: all of Numba's threads); "
                         "warmup: warm at each (default: 1 and all)")
-    p.add_argument("--list", action="store_true", help="list the op groups and exit")
+    p.add_argument("--list", action="store_true",
+                   help="list the op groups and their cases (op, storage dtype, RoPE mode) without running them")
     p.add_argument("--jobs", type=_positive(int), default=None,
                    help="processes compiling at a time (default: the number of cores). check/bench: the cases' "
                         "first calls run in that many processes before the timing (1: in the job's own); "
@@ -94,9 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     if args.list:
-        from . import jobs
-        print("\n".join(jobs.available_ops()))
-        return 0
+        return _list(p, args)
     if args.command == "warmup":
         for name in ("json", "plot"):
             if getattr(args, name) is not None:
@@ -108,6 +110,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot and args.command != "bench":
         p.error("--plot belongs to the bench command: python -m fastattn bench --plot FILE.png")
     return _check(p, args)
+
+
+def _list(p: argparse.ArgumentParser, args) -> int:
+    """The op groups and the cases of those selected, without running them: building a case makes its inputs
+    and its float32 baseline with NumPy, and compiles nothing."""
+    from . import jobs
+    from .jobs import report
+
+    try:
+        groups = jobs.select_ops(args.ops)
+    except ValueError as error:
+        p.error(str(error))
+    print(report.case_list(jobs.available_ops(), jobs.build(groups)))
+    return 0
 
 
 def _warmup(p: argparse.ArgumentParser, args) -> int:
@@ -170,7 +186,7 @@ def _check(p: argparse.ArgumentParser, args) -> int:
         else:
             with open(args.json, "w") as fh:
                 fh.write(text + "\n")
-    return 0 if all(r.ok for r in results) else 1
+    return 0 if jobs.agreed(results) else 1
 
 
 def _roofs(args, results, thread_counts: list[int], out: TextIO) -> list[dict]:
@@ -178,14 +194,25 @@ def _roofs(args, results, thread_counts: list[int], out: TextIO) -> list[dict]:
 
     from .jobs import roofs as roof_meter
 
+    from .jobs.plot import working_set
+
     roofs = {}
     for n in thread_counts:
-        roofs[n] = roof_meter.measure(n)
-        print(f"roofs, {n} thread(s): copy {roofs[n].copy_gbs:.1f} GB/s, read {roofs[n].read_gbs:.1f} GB/s, "
+        # copies of the working sets of the ops that ran on threads: the roofs of those that stay in cache
+        sizes = [working_set(r) for r in results
+                 if r.threads == n and not r.skipped and r.extra.get("parallel", True)]
+        roofs[n] = roof_meter.measure(n, [s for s in sizes if s])
+        print(f"roofs, {n} thread(s): copy {roofs[n].copy_gbs:.1f} GB/s (DRAM), "
+              f"{roofs[n].cache_copy_gbs:.1f} GB/s (in cache; 1 thread {roofs[n].serial_copy_gbs:.1f}), "
+              f"read {roofs[n].read_gbs:.1f} GB/s (DRAM), "
               f"FMA {roofs[n].fma_gflops:.0f} GFLOP/s", file=out)
+        if roofs[n].copy_at:
+            print("  copies by working set: " + ", ".join(f"{size >> 20} MiB {gbs:.1f} GB/s"
+                                                          for size, gbs in sorted(roofs[n].copy_at.items())), file=out)
+    print(roof_meter.NOTE, file=out)
     if args.plot:
         from .jobs.plot import plot
-        plot(results, roofs, args.plot)
+        plot(results, roofs, args.plot)  # each op against its roof: DRAM, in-cache copy or FMA (roof_for)
         print(f"plot written to {args.plot}", file=out)
     return [asdict(r) for r in roofs.values()]
 

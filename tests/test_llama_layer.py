@@ -69,3 +69,21 @@ def test_llama_layer_with_a_quantized_cache_stays_near_the_float32_one():
     assert isinstance(layer.k_cache, ex.fastattn.Quantized) and layer.k_cache.qtype == kv
     difference = np.abs(outputs[kv] - outputs["float32"]).max()
     assert 0 < difference <= bound * np.abs(outputs["float32"]).max()
+
+
+def test_the_examples_reference_check_passes_and_catches_a_wrong_output(capsys):
+    """The example's own check (the same layer on fastattn.reference's ops, same inputs): it passes on the fast
+    layer's outputs and fails when one output value is off by twice its bound."""
+    ex = load_example()
+    config = ex.LlamaConfig(hidden=128, n_head=4, n_head_kv=2, head_dim=32, ffn=192, max_ctx=16)
+    weights = ex.LayerWeights.random(config, seed=5)
+    x = np.random.default_rng(6).standard_normal((9, config.hidden)).astype(np.float32)
+    inputs = [(x[:8], np.arange(8, dtype=np.int32)), (x[8:], np.array([8], np.int32))]
+    layer = ex.LlamaLayer(weights, config, kv_dtype=np.float16)
+    outputs = [layer.forward(*call) for call in inputs]
+    assert ex.check_against_reference(weights, config, "f16", inputs, outputs)
+    assert capsys.readouterr().out.rstrip().endswith("f16 cache): passed")
+    wrong = [outputs[0], outputs[1].copy()]
+    wrong[1][0, 3] += 2 * ex.TOLERANCE["f16"] * max(np.abs(o).max() for o in outputs)
+    assert not ex.check_against_reference(weights, config, "f16", inputs, wrong)
+    assert capsys.readouterr().out.rstrip().endswith("f16 cache): FAILED")

@@ -53,12 +53,12 @@ def test_json_dash_writes_only_json_to_stdout(json_run):
 
 def test_progress_table_legend_and_summary_go_to_stderr(json_run):
     err = json_run.stderr
-    assert re.search(r"^\[1/2\] +\d+\.\d s  set_rows .*1 thread$", err, re.M), err
-    assert re.search(r"^\[2/2\] ", err, re.M)
+    assert re.search(r"^\[1/3\] +\d+\.\d s  set_rows .*1 thread$", err, re.M), err
+    assert re.search(r"^\[3/3\] ", err, re.M)
     assert re.search(r"^ +compiling rows\.\S+ for ", err, re.M)  # the compiling marker
     assert re.search(r"^op +shape +path +thr +max err +ok +ref ms min / med +fast ms min / med", err, re.M)
     assert "speed-up  reference median / fast median" in err  # the legend
-    assert re.search(r"^2/2 agree with the reference$", err, re.M)
+    assert re.search(r"^3/3 agree with the reference$", err, re.M)
     assert "fastattn: compiling" not in err  # the notices show as progress, not as loose lines
 
 
@@ -68,14 +68,14 @@ def test_first_calls_ahead_in_worker_processes(tmp_path):
     run = _run("--ops", CHEAP_OPS, "--threads", "1,2", "--budget", "0.01", "--json", "-", "--jobs", "2",
                cache_dir=tmp_path)
     assert run.returncode == 0, run.stderr
-    for k in (1, 2):
-        assert re.search(rf"^\[{k}/2\] +{ELAPSED}  first calls: set_rows .*\((compiled \d+\.\d s|cached)\)$",
+    for k in (1, 2, 3):
+        assert re.search(rf"^\[{k}/3\] +{ELAPSED}  first calls: set_rows .*\((compiled \d+\.\d s|cached)\)$",
                          run.stderr, re.M), run.stderr
-    assert re.search(rf"first calls of 2 case\(s\) made in {ELAPSED} on 2 processes; now timing$", run.stderr,
+    assert re.search(rf"first calls of 3 case\(s\) made in {ELAPSED} on 2 processes; now timing$", run.stderr,
                      re.M), run.stderr
     assert "compiling rows." not in run.stderr  # nothing left to compile in the job's own process
     report = json.loads(run.stdout)
-    assert len(report["results"]) == 4 and all(r["ok"] for r in report["results"])
+    assert len(report["results"]) == 6 and all(r["ok"] for r in report["results"])
     for r in report["results"]:
         assert r["extra"]["loaded_ms"] >= 0  # the job's own first call, after the workers'
     # each case compiled in its worker, at the first thread count it ran (1 thread: the serial kernels)
@@ -91,21 +91,85 @@ def test_compile_ahead_tasks_keep_cases_sharing_kernels_together():
     assert tasks[0][0] == "attention"
     assert [op for op, _ in tasks] == sorted((op for op, _ in tasks), key=ahead.ORDER.index)
     by_label = {c.label: (c.op_group, c.index) for c in cases}
-    for shared in (("attention decode Nkv 512 32/8x128 f16 KV, auto", "attention decode Nkv 512 32/8x128 f16 KV, "
-                    "split_kv"), ("rope_ext (512,32,128) f32, neox out of place",
-                                  "rope_ext (512,32,128) f32, neox in place, fused QKV view")):
-        op, first = by_label[shared[0]]
-        assert (op, [first, by_label[shared[1]][1]]) in tasks
-    assert len(tasks) == len(cases) - 2
+    for shared in (("flash_attn_ext decode Nkv 512 32/8x128 f16 KV, auto",
+                    "flash_attn_ext decode Nkv 512 32/8x128 f16 KV, split_kv"),
+                   ("rope_ext (512,32,128) f32, neox out of place",
+                    "rope_ext (512,32,128) f32, neox in place, fused QKV view",
+                    "rope_ext (1,32,128) f32, normal, decode"),
+                   ("apply_rope_cache (1,32,128) f32, decode, prebuilt cache, in place",
+                    "apply_rope_cache_set_rows K (1,8,128) -> f16, decode, prebuilt cache",
+                    "rope_ext (16,32,128) f32, mrope, 4x4 image", "rope_cache (16, 2x64) f32, mrope, 4x4 image",
+                    "rope_ext (16,32,128) f32, imrope, 4x4 image", "rope_ext (16,16,80) f32, vision, 4x4 image")):
+        op = by_label[shared[0]][0]
+        assert (op, sorted(by_label[label][1] for label in shared)) in tasks
+    assert len(tasks) == len(cases) - 1 - 2 - 5
+
+
+def test_the_cases_cover_every_public_op_dtype_and_rope_mode():
+    """Every function of fastattn.__all__ but the thread settings has a case, and so has every storage dtype and
+    every RoPE mode; the checks are the reference comparisons the job runs (an op added to fastattn.__all__
+    without a case fails here)."""
+    import fastattn
+
+    cases = jobs.build(jobs.select_ops(None))
+    assert set(jobs.public_ops()) == {
+        "rms_norm", "rms_norm_mul", "add_rms_norm_mul", "set_rows", "flash_attn_ext", "rope_ext", "rope_cache",
+        "apply_rope_cache", "rope_set_rows", "apply_rope_cache_set_rows", "quantize", "dequantize"}
+    assert set(jobs.public_ops()) <= set(fastattn.__all__)
+    assert jobs.coverage(cases) == {"ops": [], "dtypes": [], "modes": []}
+    assert {c.op for c in cases} == set(jobs.public_ops())  # no case under another name
+    assert all(c.check is not None or c.skip for c in cases)
+    dropped = [c for c in cases if c.mode != "VISION" and c.dtype != "q4_0"]
+    assert jobs.coverage(dropped) == {"ops": [], "dtypes": ["q4_0"], "modes": ["VISION"]}
+
+
+def test_list_prints_every_case_without_running_it(tmp_path):
+    run = _run("--list", cache_dir=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "compiling" not in run.stderr and not list(tmp_path.rglob("*.nbi"))  # nothing ran, nothing compiled
+    out = run.stdout
+    assert out.startswith("op groups (--ops): norm, set_rows, rope, attention, quant\n")
+    assert re.search(r"^group +op +dtype +mode +shape +path$", out, re.M)
+    for group, op, dtype, mode in (("norm", "rms_norm", "float32", "-"), ("set_rows", "set_rows", "bfloat16", "-"),
+                                   ("rope", "rope_ext", "float32", "IMROPE"),
+                                   ("rope", "apply_rope_cache_set_rows", "float16", "NEOX"),
+                                   ("attention", "flash_attn_ext", "q8_0", "-"), ("quant", "dequantize", "q4_0", "-")):
+        assert re.search(rf"^{group} +{op} +{dtype} +{mode} ", out, re.M), (op, dtype, mode)
+    assert out.rstrip().endswith("every public op, storage dtype and RoPE mode is covered")
+    only = _run("--list", "--ops", "quant")
+    assert re.search(r"^4 cases: 2 ops; dtypes q8_0, q4_0; RoPE modes none$", only.stdout, re.M), only.stdout
+    assert "not covered by these groups: ops rms_norm, " in only.stdout
+    assert "; modes NORMAL, NEOX, MROPE, VISION, IMROPE" in only.stdout
+
+
+def test_bfloat16_without_ml_dtypes_is_skipped_with_the_reason():
+    """ml_dtypes is optional (not in the base install): without it the bfloat16 case is reported as skipped, with
+    the reason, and the job still exits 0."""
+    code = ("import sys\n"
+            "sys.modules['ml_dtypes'] = None  # import ml_dtypes now raises ImportError\n"
+            "from fastattn.__main__ import main\n"
+            "sys.exit(main(['--ops', 'set_rows', '--threads', '1', '--budget', '0.01', '--rounds', '2', "
+            "'--jobs', '1', '--json', '-']))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    reason = "bfloat16 needs ml_dtypes (python -m pip install ml_dtypes)"
+    assert re.search(r"^set_rows +1 x 1024 f32 -> bf16 \(4096, 1024\) +decode +1 +skipped +" + re.escape(reason),
+                     run.stderr, re.M), run.stderr
+    assert re.search(rf"^2/2 agree with the reference; 1 skipped \({re.escape(reason)}\)$", run.stderr, re.M)
+    report = json.loads(run.stdout)
+    skipped = [r for r in report["results"] if r["skipped"]]
+    assert [(r["dtype"], r["ok"], r["skipped"]) for r in skipped] == [("bfloat16", None, reason)]
+    assert report["summary"]["skipped"] == 1 and report["summary"]["agree"] == report["summary"]["cases"] == 2
+    assert not any("slower than" in w for w in report["warnings"])  # a skipped case has no timing to warn about
 
 
 def test_without_json_the_table_and_summary_go_to_stdout(tmp_path):
     run = _run("--ops", CHEAP_OPS, "--threads", "1", "--budget", "0.01", "--rounds", "2")
     assert run.returncode == 0, run.stderr
     assert re.search(r"^set_rows +512 x 1024", run.stdout, re.M)
-    assert re.search(r"^2/2 agree with the reference$", run.stdout, re.M)
+    assert re.search(r"^3/3 agree with the reference$", run.stdout, re.M)
     assert "2 rounds per figure" in run.stdout
-    assert "[1/2]" in run.stderr and "[1/2]" not in run.stdout
+    assert "[1/3]" in run.stderr and "[1/3]" not in run.stdout
 
 
 def test_help_is_plain_text():
@@ -127,6 +191,38 @@ def _numpy_cases(config, rng, *, wrong: bool):
 
     return [jobs.Case("triple", "(1000,) f32", "numpy", fast=fast, reference=lambda: x.astype(np.float64) * 3,
                       check=checks.float32_rule(naive, 1e-6), nbytes=8000)]
+
+
+def test_a_round_slowed_after_the_sizing_call_ends_early():
+    """Calls that turn slow after the call that sized the rounds (a busy machine) cannot stretch the timing: each
+    round stops at twice its share of the budget, and its figure is the mean of the calls it made."""
+    import time
+
+    from fastattn.jobs.timing import time_rounds
+
+    made = []
+
+    def call():
+        made.append(1)
+        time.sleep(0.01)  # 10 ms, where the sizing call said 10 µs: 5000 calls per round planned
+
+    start = time.perf_counter()
+    timing = time_rounds(call, budget_s=0.1, rounds=2, once_s=1e-5)
+    assert timing.calls == 5000
+    assert time.perf_counter() - start < 0.5  # about 2 x 0.1 s; the planned rounds would take 100 s
+    assert timing.min_ms >= 10 and len(made) < 40
+    quick = time_rounds(lambda: None, budget_s=0.01, rounds=2)  # unslowed: every planned call is made
+    assert quick.calls >= 1
+
+
+def test_checks_refuse_a_result_of_another_shape():
+    """A result that only broadcasts against the reference (a case that returned the wrong array) fails."""
+    row = np.ones((1, 4), np.float32)
+    rows = np.ones((3, 4), np.float32)
+    assert checks.float32_rule(row, 1e-6)(row, row.astype(np.float64)).ok
+    assert not checks.float32_rule(row, 1e-6)(rows, rows.astype(np.float64)).ok
+    assert not checks.half_1ulp()(rows.astype(np.float16), row.astype(np.float64)).ok
+    assert not checks.bit_exact()(rows, row).ok
 
 
 @pytest.mark.parametrize("wrong, status", [(False, 0), (True, 1)])
@@ -182,6 +278,8 @@ def test_warmup_units_cover_every_group_and_dtype():
     # the norms take no quantized input: no unit of theirs for a quantized type
     assert {u.dtype for u in warmup.units(["norm"])} == set(warmup.DEFAULT_DTYPES) - {"q8_0"}
     assert warmup.units(["norm", "set_rows"], ["q4_0"]) == [warmup.Unit("set_rows", "q4_0")]
+    # quantize / dequantize are warmed by the set_rows units, once however many groups ask for them
+    assert warmup.units(["quant", "set_rows"], ["q4_0"]) == [warmup.Unit("set_rows", "q4_0")]
     with pytest.raises(ValueError, match="ops: unknown"):
         warmup.units(["nope"], ["float32"])
     with pytest.raises(ValueError, match="dtypes: expected float32, float16, bfloat16, q8_0 or q4_0, got 'int8'"):
@@ -233,3 +331,43 @@ def test_progress_on_a_terminal_rewrites_one_line_with_the_compiling_marker():
     assert "[compiled rope_routes kernel fused_entry for float32 in 6.2 s]" in text
     assert text.endswith("\r\x1b[K")
     assert (elapsed(12.34), elapsed(125)) == ("12.3 s", "2:05")
+
+
+def test_the_plot_judges_each_rate_against_its_own_roof(tmp_path):
+    """bench --plot: a GB/s rate whose working set fits the last-level cache is drawn against a copy of its size
+    (its data stays in cache between the timing's calls, so it may exceed DRAM bandwidth), a larger one against
+    the DRAM copy, one too small for threads against the one-thread in-cache copy, GFLOP/s against the FMA peak;
+    the legend says which is which."""
+    pytest.importorskip("matplotlib")
+    from fastattn.jobs import plot, roofs
+
+    def result(rate, unit, ms):
+        return jobs.Result(op="op", shape="s", path="p", threads=2, max_error=0.0, bound=None, ok=True,
+                           tolerance="", reference_ms=1.0, fast_ms=ms, first_call_ms=1.0, speedup=1.0, rate=rate,
+                           rate_unit=unit)
+
+    measured = roofs.Roofs(2, copy_gbs=20.0, read_gbs=25.0, fma_gflops=300.0, cache_copy_gbs=70.0,
+                           cache_bytes=8 << 20, serial_copy_gbs=40.0, serial_bytes=1 << 20,
+                           last_level_cache_bytes=32 << 20)
+    in_cache = result(45.0, "GB/s", 0.37)  # 16.7 MB per call
+    in_dram = result(15.0, "GB/s", 100.0)  # 1.5 GB per call
+    flops = result(148.0, "GFLOP/s", 14.0)
+    assert plot.working_set(in_cache) == pytest.approx(45e9 * 0.37e-3)
+    assert plot.roof_for(in_cache, measured) == (70.0, "in-cache copy")  # no copy of its size measured
+    sized = roofs.Roofs(**{**measured.__dict__, "copy_at": {roofs.size_class(45e9 * 0.37e-3): 55.0}})
+    assert roofs.size_class(45e9 * 0.37e-3) == 16 << 20 and roofs.size_class(10) == roofs.SERIAL_BYTES
+    assert plot.roof_for(in_cache, sized) == (55.0, "copy of 16 MiB")  # the copy of its own working set
+    assert plot.roof_for(in_dram, measured) == (20.0, "DRAM copy")
+    assert plot.roof_for(flops, measured) == (300.0, "FMA peak")
+    serial = result(30.0, "GB/s", 0.0016)  # 48 KB: below the parallel size, run on one thread
+    serial.extra["parallel"] = False
+    assert plot.roof_for(serial, measured) == (40.0, "1-thread in-cache copy")
+    unknown = roofs.Roofs(2, 20.0, 25.0, 300.0, 70.0, 8 << 20, 40.0, 1 << 20, None)  # no cache size: the copy's
+    assert plot.roof_for(in_cache, unknown) == (20.0, "DRAM copy")
+    assert plot.roof_for(result(45.0, "GB/s", 0.1), unknown) == (70.0, "in-cache copy")
+    skipped = jobs.Result(op="set_rows", shape="s", path="p", threads=2, max_error=0.0, bound=None, ok=None,
+                          tolerance="", reference_ms=0.0, fast_ms=0.0, first_call_ms=0.0, speedup=0.0, rate=0.0,
+                          rate_unit="", skipped="bfloat16 needs ml_dtypes")
+    path = tmp_path / "roofs.png"
+    plot.plot([in_cache, in_dram, flops, serial, skipped], {2: sized}, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

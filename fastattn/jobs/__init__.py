@@ -2,8 +2,10 @@
 
 Each op module here (``norm``, ``rows``, ...) registers a function that builds its ``Case``s for a ``Config``;
 ``run`` executes them and ``report`` turns the results into the table, its legend, the summary line and the
-warnings. ``python -m fastattn`` is the CLI. ``Config`` is also where the benchmarks (bench/) take their shapes
-from, so each shape is defined once.
+warnings. Together the cases call every public op, store into every storage dtype and rotate in every RoPE mode
+(``coverage`` says what a list of cases leaves out; ``python -m fastattn --list`` prints them). ``python -m
+fastattn`` is the CLI. ``Config`` is also where the benchmarks (bench/) take their shapes from, so each shape is
+defined once.
 """
 from __future__ import annotations
 
@@ -24,7 +26,10 @@ from .timing import Timing, time_rounds
 REFERENCE_SHARE = 0.5
 
 #: Op modules of this package that register cases (in table order).
-OP_MODULES = ("norm", "rows", "rope", "attention")
+OP_MODULES = ("norm", "rows", "rope", "attention", "quant")
+
+#: The storage dtypes the cases cover, by the names ``Case.dtype`` uses (``--dtypes``' names).
+DTYPES = ("float32", "float16", "bfloat16", "q8_0", "q4_0")
 
 
 @dataclass(frozen=True)
@@ -64,10 +69,38 @@ class Case:
     #: Cases of one op group with the same non-empty ``kernels`` compile the same kernels: the compile-ahead phase
     #: (``ahead``) gives them to one worker, which compiles them once; every other case is a task of its own.
     kernels: str = ""
+    #: The storage dtype the case exercises (a ``DTYPES`` name): the activations' for the norms and ``rope_ext``,
+    #: the cache's for the row writes, K/V's for attention, the block type for quantize / dequantize.
+    dtype: str = ""
+    mode: str = ""  # the RoPE mode's name (``fastattn.RopeMode``) for RoPE cases
+    #: Why the case cannot run here (e.g. bfloat16 without ml_dtypes): reported as skipped, never as a failure;
+    #: ``fast``, ``reference`` and ``check`` are then not called.
+    skip: str = ""
 
     @property
     def label(self) -> str:
         return f"{self.op} {self.shape}, {self.path}"
+
+
+def skipped_case(op: str, shape: str, path: str, reason: str, **fields) -> Case:
+    """A case that cannot run here, for ``reason``."""
+    def unavailable():
+        raise RuntimeError(f"{op} {shape}, {path} is skipped: {reason}")
+    return Case(op, shape, path, fast=unavailable, reference=unavailable, check=None, skip=reason, **fields)
+
+
+def bfloat16_dtype():
+    """``ml_dtypes.bfloat16`` as a NumPy dtype, or None when ml_dtypes is not installed (it is an optional
+    dependency: the bfloat16 cases are then skipped)."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+#: Why a bfloat16 case is skipped without ml_dtypes.
+NO_BFLOAT16 = "bfloat16 needs ml_dtypes (python -m pip install ml_dtypes)"
 
 
 @dataclass
@@ -78,7 +111,7 @@ class Result:
     threads: int
     max_error: float
     bound: float | None  # the absolute error allowed (None: ulps or bit equality, see tolerance)
-    ok: bool
+    ok: bool | None  # None: the case was skipped
     tolerance: str  # what ok was checked against, in words
     reference_ms: float  # median of the rounds
     fast_ms: float  # median of the rounds
@@ -92,6 +125,14 @@ class Result:
     compiled: bool = False  # the first call compiled kernels (rather than loading them from Numba's cache)
     compile_s: float = 0.0  # seconds the first call spent compiling
     extra: dict = field(default_factory=dict)
+    dtype: str = ""
+    mode: str = ""
+    skipped: str = ""  # why the case did not run (then ``ok`` is None and the figures are 0)
+
+
+def agreed(results: list[Result]) -> bool:
+    """Every case that ran agrees with the reference (skipped cases neither agree nor fail)."""
+    return all(r.ok for r in results if not r.skipped)
 
 
 _BUILDERS: dict[str, Callable[[Config, np.random.Generator], list[Case]]] = {}
@@ -109,6 +150,24 @@ def available_ops() -> list[str]:
     for name in OP_MODULES:
         importlib.import_module(f"{__name__}.{name}")
     return list(_BUILDERS)
+
+
+def public_ops() -> list[str]:
+    """The ops of ``fastattn.__all__``: its functions but the thread settings."""
+    import fastattn
+    from .._core import threads
+
+    return [name for name in fastattn.__all__ if name.islower() and not hasattr(threads, name)]
+
+
+def coverage(cases: list[Case]) -> dict[str, list[str]]:
+    """What ``cases`` leave out, by kind: public ops no case calls, storage dtypes (``DTYPES``) and RoPE modes no
+    case exercises. Skipped cases count: they are in the job, and run where their dependency is installed."""
+    from ..rope.modes import RopeMode
+
+    return {"ops": [o for o in public_ops() if o not in {c.op for c in cases}],
+            "dtypes": [d for d in DTYPES if d not in {c.dtype for c in cases}],
+            "modes": [m.name for m in RopeMode if m.name not in {c.mode for c in cases}]}
 
 
 def select_ops(ops: Iterable[str] | None) -> list[str]:
@@ -161,13 +220,13 @@ def run(ops: Iterable[str] | None = None, threads: Iterable[int | None] = (None,
         try:
             first = build(wanted, config)
             if phase:
-                phase.submit(first)
+                phase.submit([c for c in first if not c.skip])
         except BaseException:
             if phase:
                 phase.close()
             raise
         total, k = len(first) * len(counts), 0
-        ahead_calls = phase.wait(len(first), progress) if phase else {}
+        ahead_calls = phase.wait(sum(not c.skip for c in first), progress) if phase else {}
         for i, n_threads in enumerate(counts):
             cases = first if i == 0 else build(wanted, config)  # fresh inputs: some cases work in place
             # each figure is labelled with its thread count: the prange kernels run on that many (fixed rule)
@@ -175,13 +234,22 @@ def run(ops: Iterable[str] | None = None, threads: Iterable[int | None] = (None,
                 for case in cases:
                     k += 1
                     if progress:
-                        progress.case(k, total, f"{case.label}, {n} thread{'' if n == 1 else 's'}")
+                        progress.case(k, total, f"{case.label}, {n} thread{'' if n == 1 else 's'}"
+                                      + (f": skipped, {case.skip}" if case.skip else ""))
+                    if case.skip:
+                        results.append(_skipped(case, n))
+                        continue
                     results.append(_run_case(case, n, budget_s, rounds, watch, references,
                                              ahead_calls.get((case.op_group, case.index, n))))
             first = cases = []  # let the inputs go before the next thread count builds its own
     if progress:
         progress.finish()
     return results
+
+
+def _skipped(case: Case, n_threads: int) -> Result:
+    return Result(case.op, case.shape, case.path, n_threads, 0.0, None, None, "", 0.0, 0.0, 0.0, 0.0, 0.0, "",
+                  dtype=case.dtype, mode=case.mode, skipped=case.skip)
 
 
 def _run_case(case: Case, n_threads: int, budget_s: float, rounds: int, watch: CompileWatch,
@@ -216,7 +284,8 @@ def _run_case(case: Case, n_threads: int, budget_s: float, rounds: int, watch: C
                   case.check.tolerance, reference.median_ms, fast.median_ms, first_ms,
                   reference.median_ms / fast.median_ms, rate, unit, reference.min_ms, fast.min_ms, fast.rounds,
                   compiled, compile_s,
-                  extra={"parallel": bool(case.flops) or case.nbytes >= _threads.PARALLEL_MIN_BYTES, **extra})
+                  extra={"parallel": bool(case.flops) or case.nbytes >= _threads.PARALLEL_MIN_BYTES, **extra},
+                  dtype=case.dtype, mode=case.mode)
 
 
 def _snapshot(result):

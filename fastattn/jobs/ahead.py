@@ -1,15 +1,15 @@
 """The main job's compile-ahead phase: the cases' first calls, in worker processes on all cores, before timing.
 
-Numba compiles on the calling thread, so a job that compiles its cases' kernels as it reaches them uses one core
-for most of its first run. Here the cases are handed to a pool of fresh processes as tasks: one per case, except
-that the cases of an op group sharing their kernels (``Case.kernels``) form one task, so they are compiled once.
-Tasks go out by op group, the slowest to compile first, and a free worker takes the next, so the cores stay
-busy until the last ones. A worker builds the task's op group as the job does and, case by case at every thread
-count of the run, makes the first fast call (timed: the "1st call" figure, compilation included) and two more
-(the calls after a first one take the ops' compiled fast paths, which may compile too), reporting each case as
-it finishes. The kernels land in Numba's on-disk cache, so the job's own process then only loads them, and times
-with the cores otherwise idle. The workers start (a fresh interpreter importing fastattn) while the job builds
-its cases; with a warm cache the phase costs that start-up and the loads.
+Numba compiles on the calling thread, so a job that compiles its cases' kernels as it reaches them uses one core for
+most of its first run. Here the cases are handed to a pool of fresh processes as tasks: one per case, except that
+the cases of an op group sharing their kernels (``Case.kernels``) form one task, so they are compiled once. Tasks go
+out by op group, the slowest to compile first, and a free worker takes the next, so the cores stay busy until the
+last ones. A worker builds the task's op group as the job does (once per group) and, case by case at every thread
+count of the run, makes the first fast call (timed: the "1st call" figure, compilation included) and two more (the
+calls after a first one take the ops' compiled fast paths, which may compile too), reporting each case as it
+finishes. The kernels land in Numba's on-disk cache, so the job's own process then only loads them, and times with
+the cores otherwise idle. The workers start (a fresh interpreter importing fastattn) while the job builds its cases;
+with a warm cache the phase costs that start-up and the loads.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from .progress import Progress, elapsed
 
 #: Op groups in the order their tasks are handed out: the slowest to compile first, so no worker is left with a
 #: long one at the end.
-ORDER = ("attention", "rope", "norm", "set_rows")
+ORDER = ("attention", "rope", "quant", "norm", "set_rows")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,9 @@ class FirstCall:
 
 
 _reports = None  # per worker process: the queue its finished cases go to (set by the pool's initializer)
+#: Per worker process: the op groups' cases it has built, by (op group, config). A worker takes several tasks of
+#: a group; building the group's inputs and float32 baselines once saves it seconds.
+_built: dict = {}
 
 
 def _set_queue(reports) -> None:
@@ -69,8 +72,10 @@ def first_calls(op: str, indices: list[int], thread_counts: list[int], config) -
     from .progress import CompileWatch
 
     _notices.LOGGER.propagate = False  # the parent process shows the progress
+    if (op, config) not in _built:  # each case is first called by one task only, so the group's are reusable
+        _built[op, config] = build(select_ops([op]), config)
     with CompileWatch() as watch:  # a handler on the notices' logger: none is printed here
-        for case in build(select_ops([op]), config):
+        for case in _built[op, config]:
             if case.index not in indices:
                 continue
             done = {}

@@ -55,10 +55,11 @@ def build(config: Config, rng: np.random.Generator) -> list[Case]:
     out = np.empty((1, n, Hq, D), np.float32)
     live_pairs = n * (n + 1) // 2  # causal: query i sees keys 0..i
     cases.append(Case(
-        "attention", f"prefill {n} causal {Hq}/{Hkv}x{D} f16 KV", "auto",
+        "flash_attn_ext", f"prefill {n} causal {Hq}/{Hkv}x{D} f16 KV", "auto",
         fast=lambda: flash_attn_ext(q, k, v, mask, scale=scale, out=out),
         reference=lambda: reference.flash_attn_ext(q, k, v, mask, scale=scale),
-        check=float32_rule(naive_f32(q, k, v, mask, scale), FLOOR), flops=4.0 * Hq * D * live_pairs))
+        check=float32_rule(naive_f32(q, k, v, mask, scale), FLOOR), flops=4.0 * Hq * D * live_pairs,
+        dtype="float16"))
 
     n_kv = config.decode_n_kv
     qd = rng.standard_normal((1, Hq, 1, D)).astype(np.float32)
@@ -68,18 +69,19 @@ def build(config: Config, rng: np.random.Generator) -> list[Case]:
     check = float32_rule(naive_f32(qd, kd, vd, None, scale), FLOOR)
     for path in ("auto", "split_kv"):
         cases.append(Case(
-            "attention", f"decode Nkv {n_kv} {Hq}/{Hkv}x{D} f16 KV", path,
+            "flash_attn_ext", f"decode Nkv {n_kv} {Hq}/{Hkv}x{D} f16 KV", path,
             fast=lambda path=path: flash_attn_ext(qd, kd, vd, scale=scale, path=path, out=out_d),
             reference=lambda: reference.flash_attn_ext(qd, kd, vd, scale=scale),
-            check=check, nbytes=kd.nbytes + vd.nbytes, kernels="decode f16"))  # split_kv: the same group loop
+            check=check, nbytes=kd.nbytes + vd.nbytes, kernels="decode f16",  # split_kv: the same group loop
+            dtype="float16"))
 
     # the reference quantizer (NumPy; the same bytes as fastattn.quantize): building the case compiles nothing
     kq = reference.quantize(kd, "q8_0")
     vq = reference.quantize(vd, "q8_0")
     cases.append(Case(
-        "attention", f"decode Nkv {n_kv} {Hq}/{Hkv}x{D} q8_0 KV", "auto",
+        "flash_attn_ext", f"decode Nkv {n_kv} {Hq}/{Hkv}x{D} q8_0 KV", "auto",
         fast=lambda: flash_attn_ext(qd, kq, vq, scale=scale, out=out_d),
         reference=lambda: reference.flash_attn_ext(qd, kq, vq, scale=scale),
         check=float32_rule(naive_f32(qd, reference.dequantize(kq), reference.dequantize(vq), None, scale), FLOOR),
-        nbytes=kq.data.nbytes + vq.data.nbytes))
+        nbytes=kq.data.nbytes + vq.data.nbytes, dtype="q8_0"))
     return cases

@@ -28,6 +28,26 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def last_level_cache_bytes() -> int | None:
+    """The size of one CPU's largest-level data or unified cache (Linux sysfs), None where unknown. A VM may
+    report its host's."""
+    import glob
+
+    best = None
+    for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            with open(f"{index}/type") as kind, open(f"{index}/level") as level, open(f"{index}/size") as size:
+                if kind.read().strip() == "Instruction":
+                    continue
+                text = size.read().strip().upper()
+                scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+                entry = (int(level.read()), int(text.rstrip("KMG")) * scale)
+        except (OSError, ValueError):
+            continue
+        best = max(best, entry) if best else entry
+    return best[1] if best else None
+
+
 def busy_warning(load: float | None, n_cores: int) -> str | None:
     """A warning when the load average exceeds the cores: more threads wanted to run than there were CPUs, so
     timings include waits for a CPU."""

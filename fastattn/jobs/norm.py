@@ -1,4 +1,5 @@
-"""Main-job cases for the RMSNorm family on a Llama layer: the norm before attention / FFN, prefill and decode."""
+"""Main-job cases for the RMSNorm family on a Llama layer: the norm before attention / FFN, prefill and decode,
+and the plain norm (no weight: Q/K norms without a scale, ggml's ``rms_norm`` op) on a decode row."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,9 +11,11 @@ from .checks import bit_exact, both, float32_rule
 FLOOR = 1e-6
 
 
-def naive_f32(s: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """The straightforward float32 NumPy evaluation the rule measures against: s (rows, D), w (D,) float32."""
-    return s / np.sqrt(np.mean(s * s, axis=-1, keepdims=True) + np.float32(eps)) * w
+def naive_f32(s: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+    """The straightforward float32 NumPy evaluation the rule measures against: s (rows, D), w (D,) float32 or
+    None (no weight)."""
+    y = s / np.sqrt(np.mean(s * s, axis=-1, keepdims=True) + np.float32(eps))
+    return y if w is None else y * w
 
 
 @register("norm")
@@ -29,7 +32,15 @@ def cases(config: Config, rng: np.random.Generator) -> list[Case]:
         out.append(Case("rms_norm_mul", f"({rows}, {d}) f32", path,
                         fast=lambda x=x, y=y: fastattn.rms_norm_mul(x, w, eps, out=y),
                         reference=lambda x=x, y64=y64: ref.rms_norm_mul(x, w, eps, out=y64),
-                        check=float32_rule(naive_f32(x, w, eps), FLOOR), nbytes=2 * x.nbytes + w.nbytes))
+                        check=float32_rule(naive_f32(x, w, eps), FLOOR), nbytes=2 * x.nbytes + w.nbytes,
+                        dtype="float32"))
+
+    x = rng.standard_normal((1, d)).astype(np.float32)
+    y, y64 = np.empty_like(x), np.empty(x.shape)
+    out.append(Case("rms_norm", f"(1, {d}) f32", "decode", fast=lambda x=x, y=y: fastattn.rms_norm(x, eps, out=y),
+                    reference=lambda x=x, y64=y64: ref.rms_norm(x, eps, out=y64),
+                    check=float32_rule(naive_f32(x, None, eps), FLOOR),
+                    nbytes=2 * x.nbytes, dtype="float32"))
 
     rows = config.n_prefill
     x, residual = (rng.standard_normal((rows, d)).astype(np.float32) for _ in range(2))
@@ -39,5 +50,5 @@ def cases(config: Config, rng: np.random.Generator) -> list[Case]:
     out.append(Case("add_rms_norm_mul", f"({rows}, {d}) f32", "prefill",
                     fast=lambda: fastattn.add_rms_norm_mul(x, residual, w, eps, out=y, sum_out=s),
                     reference=lambda: ref.add_rms_norm_mul(x, residual, w, eps, out=y64, sum_out=s64),
-                    check=check, nbytes=4 * x.nbytes + w.nbytes))
+                    check=check, nbytes=4 * x.nbytes + w.nbytes, dtype="float32"))
     return out

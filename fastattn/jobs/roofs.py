@@ -1,20 +1,36 @@
-"""The machine's roofs, measured in a fraction of a second: copy and DRAM-read bandwidth, float32 FMA peak.
+"""The machine's roofs, measured in about a second: copy and DRAM-read bandwidth, the copy bandwidth of a working
+set that stays in cache, float32 FMA peak.
 
-These are what `python -m fastattn bench` compares each op's achieved GB/s or GFLOP/s against. The buffers are
-larger than any L3 here (256 MiB), so the bandwidths are DRAM bandwidths; the FMA loop keeps 64 float32
+These are what `python -m fastattn bench` compares each op's achieved GB/s or GFLOP/s against. The DRAM buffers
+(256 MiB) are larger than the L3 of most CPUs, so those bandwidths are DRAM bandwidths. The main job's timing
+repeats each call on the same buffers, so an op whose working set fits the last-level cache reads it from there,
+faster than DRAM: such an op is compared against a copy of a working set of its size (the next power of 2:
+``copy_at``, or ``CACHE_BYTES`` where none was measured) on the same threads, copied many times, and an op too
+small to run on threads against a one-thread copy of ``SERIAL_BYTES``. The FMA loop keeps 64 float32
 accumulators (8 ymm registers) in flight per thread.
 """
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from numba import prange
 
+from .._core import threads as _threads
 from .._core.kernel import kernel
 
 BUFFER_BYTES = 256 << 20
+#: The one-thread in-cache copy's working set: the size below which the ops run serially
+#: (``_threads.PARALLEL_MIN_BYTES``), so theirs is smaller (inside the L2 of current server CPUs).
+SERIAL_BYTES = _threads.PARALLEL_MIN_BYTES
+#: What the roofs printed by ``bench`` mean for the rates in the table.
+NOTE = ("(the timing repeats each call on the same buffers: an op whose working set fits the CPU's caches reads it "
+        "from there,\n so its GB/s can exceed the DRAM copy: its roof is a copy of a working set of its size, on one "
+        "thread for the ops too small to run on threads)")
+#: The in-cache copy's working set (source and destination together): inside the L3 of current server CPUs.
+CACHE_BYTES = 8 << 20
 FMA_ITERATIONS = 20_000_000
 _LANES = 64
 
@@ -63,6 +79,19 @@ class Roofs:
     copy_gbs: float  # (read + write) bytes / s of a large copy
     read_gbs: float  # bytes / s of a large read-only reduction
     fma_gflops: float  # float32 FMA peak, 2 flops per FMA
+    cache_copy_gbs: float = 0.0  # (read + write) bytes / s of a copy whose working set (CACHE_BYTES) stays in cache
+    cache_bytes: int = CACHE_BYTES
+    #: the same on one thread for a working set of SERIAL_BYTES: the roof of the ops too small to run on threads
+    serial_copy_gbs: float = 0.0
+    serial_bytes: int = 0
+    last_level_cache_bytes: int | None = None  # the size sysfs reports (None: unknown)
+    #: copy bandwidth by working set (bytes, a power of 2): measured for the working sets of the ops (``measure``)
+    copy_at: dict = field(default_factory=dict)
+
+
+def size_class(nbytes: float) -> int:
+    """The working set ``copy_at`` measures for ``nbytes``: the next power of 2, at least ``SERIAL_BYTES``."""
+    return max(SERIAL_BYTES, 1 << max(0, math.ceil(math.log2(max(nbytes, 1)))))
 
 
 def _best_seconds(fn, repeats: int = 3) -> float:
@@ -75,8 +104,9 @@ def _best_seconds(fn, repeats: int = 3) -> float:
     return best
 
 
-def measure(threads: int) -> Roofs:
-    """Measure the three roofs on ``threads`` threads (about 1 s, 512 MiB of memory)."""
+def measure(threads: int, working_sets=()) -> Roofs:
+    """Measure the roofs on ``threads`` threads (about 1 s, 512 MiB of memory); ``working_sets``: bytes per call
+    of ops, for each of whose ``size_class`` that fits the last-level cache a copy is measured (``copy_at``)."""
     import numba
 
     numba.set_num_threads(threads)
@@ -88,5 +118,21 @@ def measure(threads: int) -> Roofs:
     read_s = _best_seconds(lambda: _read(src, chunks))
     iterations = FMA_ITERATIONS // _LANES * 8
     fma_s = _best_seconds(lambda: _fma(threads, iterations), repeats=2)
+    small = np.ones(CACHE_BYTES // 8, np.float32)
+    small_dst = np.empty_like(small)
+    cache_s = _best_seconds(lambda: _copy(small, small_dst, chunks), repeats=50)
+    numba.set_num_threads(1)
+    tiny, tiny_dst = small[:SERIAL_BYTES // 8], small_dst[:SERIAL_BYTES // 8]
+    serial_s = _best_seconds(lambda: _copy(tiny, tiny_dst, 1), repeats=200)
+    numba.set_num_threads(threads)
+    from .machine import last_level_cache_bytes
+
+    llc = last_level_cache_bytes()
+    copy_at = {}
+    for size in sorted({size_class(w) for w in working_sets if w <= (llc or CACHE_BYTES)}):
+        if size <= BUFFER_BYTES:
+            a, b = src[:size // 8], dst[:size // 8]
+            copy_at[size] = size / _best_seconds(lambda: _copy(a, b, chunks), repeats=30) / 1e9
     return Roofs(threads, 2 * BUFFER_BYTES / copy_s / 1e9, BUFFER_BYTES / read_s / 1e9,
-                 2 * _LANES * iterations * threads / fma_s / 1e9)
+                 2 * _LANES * iterations * threads / fma_s / 1e9, CACHE_BYTES / cache_s / 1e9, CACHE_BYTES,
+                 SERIAL_BYTES / serial_s / 1e9, SERIAL_BYTES, llc, copy_at)

@@ -16,6 +16,10 @@ from typing import Any, Callable
 MAX_CALLS_PER_ROUND = 10_000
 
 
+#: How many seconds of calls (as the sizing call measured them) go between two readings of the clock in a round.
+CLOCK_EVERY_S = 2e-5
+
+
 @dataclass(frozen=True)
 class Timing:
     """Per-call milliseconds: the fastest round and the median round, over ``rounds`` rounds of ``calls``."""
@@ -28,7 +32,8 @@ class Timing:
 
 def time_rounds(fn: Callable[[], Any], budget_s: float, rounds: int, once_s: float | None = None) -> Timing:
     """Time ``fn``: ``rounds`` rounds of ``calls`` calls each, ``calls`` chosen so that all rounds together take
-    about ``budget_s`` (at least one call per round, whatever the budget). ``once_s``: the time of a call just
+    about ``budget_s`` (at least one call per round, whatever the budget; a round that runs past twice its share
+    ends early, its figure the mean of the calls it made). ``once_s``: the time of a call just
     made, to size the rounds by; when None, one untimed call measures it (and warms the caches)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
@@ -38,10 +43,20 @@ def time_rounds(fn: Callable[[], Any], budget_s: float, rounds: int, once_s: flo
         once_s = time.perf_counter() - t0
     once = max(once_s, 1e-7)
     calls = int(min(MAX_CALLS_PER_ROUND, max(1, budget_s / rounds / once)))
+    # A round stops once it has run twice its share of the budget: calls slower than the one that sized the
+    # rounds (other processes took the cores meanwhile) would otherwise stretch it, and the job, many times over.
+    # The clock is read about every 20 µs of calls (as sized), so that reading it costs them next to nothing.
+    limit, step = 2 * budget_s / rounds, max(1, int(CLOCK_EVERY_S / once))
     per_call = []
     for _ in range(rounds):
         t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        per_call.append((time.perf_counter() - t0) / calls)
+        done = 0
+        while done < calls:
+            n = min(step, calls - done)
+            for _ in range(n):
+                fn()
+            done += n
+            if time.perf_counter() - t0 > limit:
+                break
+        per_call.append((time.perf_counter() - t0) / done)
     return Timing(min(per_call) * 1e3, statistics.median(per_call) * 1e3, rounds, calls)

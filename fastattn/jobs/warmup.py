@@ -51,7 +51,7 @@ class Done:
 
 
 def units(ops: list[str] | None = None, dtypes: list[str] | None = None) -> list[Unit]:
-    """The units for op groups ``ops`` (the main job's names: norm, set_rows, rope, attention; all when None)
+    """The units for op groups ``ops`` (the main job's names: norm, set_rows, rope, attention, quant; all when None)
     and ``dtypes`` (names; ``DEFAULT_DTYPES`` when None), the slowest groups first."""
     unknown = sorted(set(ops or ()) - set(GROUPS))
     if unknown:
@@ -62,7 +62,8 @@ def units(ops: list[str] | None = None, dtypes: list[str] | None = None) -> list
     for name in names:
         dtype_of(name)  # ValueError for an unknown or unavailable dtype
     wanted = [op for op in GROUPS if ops is None or op in ops]
-    return [Unit(group, name) for op in wanted for group in GROUPS[op] for name in dict.fromkeys(names)
+    groups = dict.fromkeys(group for op in wanted for group in GROUPS[op])  # op groups may share a unit group
+    return [Unit(group, name) for group in groups for name in dict.fromkeys(names)
             if not (name in QUANTIZED and group in _FLOAT_ONLY)]
 
 

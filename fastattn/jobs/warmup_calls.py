@@ -237,8 +237,9 @@ CALLS: dict[str, Callable[[np.dtype, _Calls], None]] = {
     "attention prefill": attention_prefill, "attention decode": attention_decode,
 }
 #: The main job's op groups -> warm-up unit groups (in the order the units are handed out: slowest first).
+#: ``quant`` (quantize, dequantize) is warmed by the set_rows units of the quantized types, which call both.
 GROUPS = {"attention": ("attention prefill", "attention decode"), "rope": ("rope",), "norm": ("norm",),
-          "set_rows": ("set_rows",)}
+          "set_rows": ("set_rows",), "quant": ("set_rows",)}
 
 
 def warm(group: str, dtype_name: str, thread_counts: list[int]) -> tuple[int, int]:
