@@ -90,7 +90,7 @@ def user_blas():
 
 def _layer(example, n_tokens: int):
     config = example.LlamaConfig(max_ctx=N_CTX + 4 * DECODE_ROUNDS + 8)
-    layer = example.LlamaLayer(example.LayerWeights.random(config), config, np.float16)
+    layer = example.LlamaLayer(example.LayerWeights.random(config), config, np.float16, ops=example.fastattn)
     rng = np.random.default_rng(1)
     layer.k_cache[:N_CTX] = rng.standard_normal(layer.k_cache[:N_CTX].shape).astype(np.float16)
     layer.v_cache[:N_CTX] = rng.standard_normal(layer.v_cache[:N_CTX].shape).astype(np.float16)
