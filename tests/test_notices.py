@@ -136,6 +136,10 @@ def test_tuples_of_arrays_name_their_dtypes_and_names_do_not_repeat_kernel(recor
     kv = types.UniTuple(types.Array(types.uint16, 4, "A"), 2)
     _compile(listener, _dispatcher("fastattn.attention.group", "group_rows"), (types.Array(types.float32, 4, "A"), kv))
     _compile(listener, _dispatcher("fastattn._core.kernel", "apply_threads"), (types.int64,))
+    quantized = types.UniTuple(types.Array(types.uint8, 4, "A"), 2)
+    _compile(listener, _dispatcher("fastattn.attention.group", "group_rows"), (types.Array(types.float32, 4, "A"),
+                                                                              quantized))
     messages = [r.getMessage() for r in records if r.fastattn_compile == "start"]
     assert messages[0].startswith("fastattn: compiling attention.group.group_rows for float32, float16 ")
     assert messages[1].startswith("fastattn: compiling core.kernel.apply_threads (first use")
+    assert messages[2].startswith("fastattn: compiling attention.group.group_rows for float32, quantized blocks ")

@@ -33,8 +33,10 @@ from numba.core import event
 
 LOGGER = logging.getLogger("fastattn")
 
-#: How the kernels see half-precision arrays (``_core.kernel.kernel_view``): the integer type names the format.
-_STORAGE_NAMES = {"float32": "float32", "float64": "float64", "uint16": "float16", "int16": "bfloat16"}
+#: How the kernels see half-precision arrays (``_core.kernel.kernel_view``): the integer type names the format;
+#: Q8_0 / Q4_0 blocks travel as their bytes.
+_STORAGE_NAMES = {"float32": "float32", "float64": "float64", "uint16": "float16", "int16": "bfloat16",
+                  "uint8": "quantized blocks"}
 
 
 class _StderrHandler(logging.Handler):

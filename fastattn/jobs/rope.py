@@ -150,6 +150,16 @@ def rope_cases(config: Config, rng: np.random.Generator) -> list[Case]:
                       check=half_1ulp(), nbytes=k1.nbytes + h_kv * d * 2, kernels="table", dtype="float16",
                       mode="NEOX"))
 
+    return cases + _mode_cases(config, rng, step)
+
+
+def _mode_cases(config: Config, rng: np.random.Generator, step: np.ndarray) -> list[Case]:
+    """The RoPE modes other than NEOX: NORMAL on a decode row, and the multimodal modes on an image's patches."""
+    import fastattn
+    from .. import reference as ref
+
+    h, d = config.n_head, config.head_dim
+    cases = []
     # NORMAL: GPT-J's adjacent pairs, on a decode row of Q (the fused route, as the NEOX prefill)
     normal = dict(n_dims=d, mode=fastattn.ROPE_NORMAL, freq_base=10000.0)
     xn = rng.standard_normal((1, h, d)).astype(np.float32)
