@@ -9,7 +9,7 @@ import pytest
 import fastattn
 from fastattn import reference
 from fastattn.attention import rows as _attention_rows
-from fastattn.attention.rows import _axpy1, _axpy4, _axpy4x2, _axpy4x4, _dot1, _dot4, _dot4x2
+from fastattn.attention.rows import axpy1, axpy4, axpy4x2, axpy4x4, dot1, dot4, dot4x2
 from fastattn._core import validate as _validate
 from fastattn._core.kernel import kernel_view
 from strategies import BFLOAT16
@@ -17,29 +17,29 @@ from strategies import BFLOAT16
 
 @numba.njit(cache=False)
 def _all_dots(qs, kf, o1, o2, kcs):
-    """Scores of query rows 0..3 against the K rows at o1 and o2 by _dot4x2, _dot4 and _dot1: (3, 2, 4)."""
+    """Scores of query rows 0..3 against the K rows at o1 and o2 by dot4x2, dot4 and dot1: (3, 2, 4)."""
     out = np.empty((3, 2, 4), np.float32)
-    s = _dot4x2(qs, np.int64(0), kf, o1, o2, kcs)
+    s = dot4x2(qs, np.int64(0), kf, o1, o2, kcs)
     for x in range(8):
         out[0, x // 4, x % 4] = s[x]
     for r, o in enumerate((o1, o2)):
-        a, b, c, d = _dot4(qs, np.int64(0), kf, o, kcs)
+        a, b, c, d = dot4(qs, np.int64(0), kf, o, kcs)
         out[1, r, 0], out[1, r, 1], out[1, r, 2], out[1, r, 3] = a, b, c, d
         for h in range(4):
-            out[2, r, h] = _dot1(qs, np.int64(h), kf, o, kcs)
+            out[2, r, h] = dot1(qs, np.int64(h), kf, o, kcs)
     return out
 
 
 @numba.njit(cache=False)
 def _all_updates(A, p, vf, offsets, vcs):
-    """A (3, 4 * DV): row 0 by _axpy4x4, row 1 by _axpy4x2 twice, row 2 by _axpy4 and _axpy1 row after row."""
+    """A (3, 4 * DV): row 0 by axpy4x4, row 1 by axpy4x2 twice, row 2 by axpy4 and axpy1 row after row."""
     DV = A.shape[1] // 4
     o1, o2, o3, o4 = offsets[0], offsets[1], offsets[2], offsets[3]
-    _axpy4x4(A[0], 0, DV, p, np.int64(0), 0, 1, 2, 3, vf, o1, o2, o3, o4, vcs)
-    _axpy4x2(A[1], 0, DV, p, np.int64(0), 0, 1, vf, o1, o2, vcs)
-    _axpy4x2(A[1], 0, DV, p, np.int64(0), 2, 3, vf, o3, o4, vcs)
+    axpy4x4(A[0], 0, DV, p, np.int64(0), 0, 1, 2, 3, vf, o1, o2, o3, o4, vcs)
+    axpy4x2(A[1], 0, DV, p, np.int64(0), 0, 1, vf, o1, o2, vcs)
+    axpy4x2(A[1], 0, DV, p, np.int64(0), 2, 3, vf, o3, o4, vcs)
     for r in range(4):
-        _axpy4(A[2], 0, DV, p, np.int64(0), r, vf, offsets[r], vcs)
+        axpy4(A[2], 0, DV, p, np.int64(0), r, vf, offsets[r], vcs)
 
 
 @numba.njit(cache=False)
@@ -47,7 +47,7 @@ def _updates_by_one_head(A, p, vf, offsets, vcs):
     DV = A.shape[0] // 4
     for r in range(4):
         for h in range(4):
-            _axpy1(A, h * DV, DV, p[h, r], vf, offsets[r], vcs)
+            axpy1(A, h * DV, DV, p[h, r], vf, offsets[r], vcs)
 
 
 def _rows(rng, n, width, stride, dtype):

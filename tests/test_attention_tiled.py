@@ -20,7 +20,7 @@ import fastattn
 from attention_cases import FLOOR, MASK_KINDS, make_mask, naive_f32
 from fastattn.attention import tiled
 from fastattn.attention.args import alibi_slopes
-from fastattn._core.kernel import _EXP_MIN as EXP_MIN
+from fastattn._core.kernel import EXP_MIN as EXP_MIN
 from fastattn._core.kernel import KERNEL_OPTIONS, kernel_view
 from fastattn._core.validate import FLOAT32, admit_bfloat16
 from fastattn.quant.api import bytes_view
@@ -255,14 +255,14 @@ def test_concurrent_python_callers():
 
 @pytest.mark.parametrize("D", [40, 128, 576])
 def test_scores_at_huge_logits_within_the_rule(D):
-    """The score product (``_block_scores``: a K tile times the Q tile transposed) at logits up to about +-1e4:
+    """The score product (``block_scores``: a K tile times the Q tile transposed) at logits up to about +-1e4:
     its max error against float64 is at most twice that of a float32 matmul (the rule, applied to the scores:
     end to end, at such logits which of two float32 roundings of a near tie wins is a coin toss). One FMA chain
     over all of D failed this at D 576 (up to 2.6x); the product sums D in runs of SCORE_CHUNK."""
     def scores(ks, qt, st_):
         for i in range(0, ks.shape[0], tiled.BLOCK_ROWS):
             for j in range(0, qt.shape[1], tiled.BLOCK_COLS):
-                tiled._block_scores(ks, qt, st_, i, j, ks.shape[1])
+                tiled.block_scores(ks, qt, st_, i, j, ks.shape[1])
 
     product = numba.njit(**dict(KERNEL_OPTIONS, cache=False))(scores)
     n_kv = -(-KT // tiled.BLOCK_ROWS) * tiled.BLOCK_ROWS
@@ -280,8 +280,8 @@ def test_scores_at_huge_logits_within_the_rule(D):
 
 
 def _products(ks, qt, st_, vs, o, alpha):
-    tiled._block_scores(ks, qt, st_, 0, 0, ks.shape[1])
-    tiled._block_values(st_, vs, o, alpha, 0, 0, st_.shape[0])
+    tiled.block_scores(ks, qt, st_, 0, 0, ks.shape[1])
+    tiled.block_values(st_, vs, o, alpha, 0, 0, st_.shape[0])
 
 
 def _products_with_lanes(monkeypatch, lanes):
@@ -358,7 +358,7 @@ def test_widen_rows_gives_the_float32_values_and_flags_non_finite_ones(dtype, wi
 
 
 def _exp_pass_call(st_, lo, hi, c0, t_max, t_sum):
-    tiled._exp_pass(st_, lo, hi, c0, t_max, t_sum)
+    tiled.exp_pass(st_, lo, hi, c0, t_max, t_sum)
 
 
 _exp_pass_kernel = numba.njit(**dict(KERNEL_OPTIONS, cache=False))(_exp_pass_call)

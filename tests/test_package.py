@@ -71,6 +71,17 @@ def test_imports_run_one_way():
     assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
 
 
+def test_no_module_imports_another_modules_private_names():
+    """A name another module needs is public in its own module (no leading underscore)."""
+    wrong = []
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("fastattn")):
+                wrong += [f"{_where(path, node.lineno)}: imports {alias.name}" for alias in node.names
+                          if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert not wrong, "\n".join(wrong)
+
+
 def _kernel_functions(tree):
     """Functions decorated with ``kernel`` (bare or called)."""
     for node in ast.walk(tree):

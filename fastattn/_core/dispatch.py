@@ -44,7 +44,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 from numba.np import numpy_support
 
-from .kernel import _HALF_VIEW, HANDLE_TYPE, check_unit, compile_beside, kernel
+from .kernel import HALF_VIEW, HANDLE_TYPE, check_unit, compile_beside, kernel
 
 
 def array_type(dtype: np.dtype, ndim: int) -> types.Array:
@@ -52,7 +52,7 @@ def array_type(dtype: np.dtype, ndim: int) -> types.Array:
     kernel view's element type, any layout ('A'), writeable and aligned as ``numba.typeof`` types an ordinary
     array. The kernel checks the alignment (``unit_rows``, ``aligned``) before it reads anything, and never
     writes its inputs."""
-    return types.Array(numpy_support.from_dtype(_HALF_VIEW.get(dtype, dtype)), ndim, "A")
+    return types.Array(numpy_support.from_dtype(HALF_VIEW.get(dtype, dtype)), ndim, "A")
 
 
 #: Every route, by name.

@@ -54,7 +54,7 @@ def kernel(fn=None, *, parallel: bool = False, inline: bool = False, llvm_inline
     small helpers called in hot loops (inlined by Numba: LLVM leaves calls with many array arguments alone, and
     the call costs as much as a short loop); ``llvm_inline=True`` for a helper called from many places of one
     kernel (compiled once, then inlined by LLVM into each call, where Numba would type a copy of it per call:
-    ``_score``, 13 calls in ``group_rows``, took 4 s of a first decode call that way); ``fastmath`` the LLVM
+    ``store_score``, 13 calls in ``group_rows``, took 4 s of a first decode call that way); ``fastmath`` the LLVM
     fast-math flags where a kernel needs fewer than ``FASTMATH``: ``EXACT`` (none) for arithmetic that must round
     as a reference does (no FMA contraction, no reciprocal for a division: the quantizers)."""
     opts = dict(KERNEL_OPTIONS, parallel=parallel, fastmath=set(fastmath))
@@ -72,12 +72,12 @@ def kernel(fn=None, *, parallel: bool = False, inline: bool = False, llvm_inline
 FLOAT32 = np.dtype(np.float32)
 FLOAT16 = np.dtype(np.float16)
 #: dtype -> the integer dtype a kernel sees instead (bfloat16 joins it at its first sight: ``_core.validate``)
-_HALF_VIEW = _validate.HALF_VIEW
+HALF_VIEW = _validate.HALF_VIEW
 
 
 def kernel_view(a: np.ndarray) -> np.ndarray:
     """The view of ``a`` a kernel can type: float32 as is, float16 as uint16 bits, bfloat16 as int16 bits."""
-    view = _HALF_VIEW.get(a.dtype)  # one dict probe: this runs several times per decode-sized call
+    view = HALF_VIEW.get(a.dtype)  # one dict probe: this runs several times per decode-sized call
     return a if view is None else a.view(view)
 
 
@@ -109,7 +109,7 @@ def _narrow(builder, value, typ):
 
 
 @intrinsic
-def _f16_bits_to_f32(typingctx, bits):
+def f16_bits_to_f32(typingctx, bits):
     if not (isinstance(bits, types.Integer) and bits.bitwidth == 16):
         raise TypingError("expected 16-bit integer bits")
 
@@ -120,7 +120,7 @@ def _f16_bits_to_f32(typingctx, bits):
 
 
 @intrinsic
-def _f32_to_f16_bits(typingctx, value):
+def f32_to_f16_bits(typingctx, value):
     if value != types.float32:
         raise TypingError("expected float32")
 
@@ -200,24 +200,24 @@ def from_f32(typingctx, v, like):
 
 # ---------------------------------------------------------------------------------------------------------------
 # exp: np.exp is a scalar libm call inside Numba here; this polynomial vectorises (~6x faster in loops).
-_LOG2E = np.float32(1.4426950408889634)
-_LN2_HI = np.float32(0.693359375)
-_LN2_LO = np.float32(-2.12194440e-4)
+LOG2E = np.float32(1.4426950408889634)
+LN2_HI = np.float32(0.693359375)
+LN2_LO = np.float32(-2.12194440e-4)
 #: fast_exp's polynomial coefficients, highest degree first (``attention.tiled_products._exp_lanes`` too)
 EXP_POLYNOMIAL = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
                                                1.6666665459e-1, 5.0000001201e-1))
-_EXP_MIN = np.float32(-87.33654)  # below this exp underflows to 0 in float32 (and -inf lands here)
-_EXP_MAX = np.float32(88.37626)  # largest x whose 2**n scale stays finite
+EXP_MIN = np.float32(-87.33654)  # below this exp underflows to 0 in float32 (and -inf lands here)
+EXP_MAX = np.float32(88.37626)  # largest x whose 2**n scale stays finite
 
 
 @kernel
 def fast_exp(x):
     """float32 exp, relative error < 3e-7, exact 0 at -inf, +inf past overflow. Branch-free, vectorises."""
     x = np.float32(x)
-    xc = min(max(x, _EXP_MIN), _EXP_MAX)
-    n = np.floor(xc * _LOG2E + np.float32(0.5))
-    r = xc - n * _LN2_HI
-    r = r - n * _LN2_LO
+    xc = min(max(x, EXP_MIN), EXP_MAX)
+    n = np.floor(xc * LOG2E + np.float32(0.5))
+    r = xc - n * LN2_HI
+    r = r - n * LN2_LO
     # Cephes expf minimax polynomial on [-ln2/2, ln2/2].
     p = EXP_POLYNOMIAL[0]
     p = p * r + EXP_POLYNOMIAL[1]
@@ -228,9 +228,9 @@ def fast_exp(x):
     p = p * r * r + r + np.float32(1.0)
     scale = _pow2i(np.int32(n))
     y = p * scale
-    if x < _EXP_MIN:
+    if x < EXP_MIN:
         y = np.float32(0.0)
-    if x > _EXP_MAX:
+    if x > EXP_MAX:
         y = np.float32(np.inf)
     return y
 

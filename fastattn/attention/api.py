@@ -35,7 +35,7 @@ from .one_chunk import STREAM_UNIT, UNIT, decode_fast, run_one_chunk, splits_dec
 from .split_kv import run_split_kv
 from .tiled import Q_TILE, run_tiled
 from .._core.dispatch import Route, array_type
-from .._core.kernel import _HALF_VIEW, FLOAT16, FLOAT32, kernel_view, unit_address
+from .._core.kernel import HALF_VIEW, FLOAT16, FLOAT32, kernel_view, unit_address
 from ..quant.blocks import Quantized
 from ..quant.api import bytes_view
 
@@ -180,8 +180,8 @@ def _route_unit(k_dtype, v_dtype) -> tuple:
     a4 = array_type(FLOAT32, 4)
     c1 = types.Array(types.float32, 1, "C")
     streaming = k_dtype == FLOAT32 and v_dtype == FLOAT32
-    rows = stream_rows_handle() if streaming else group_rows_handle(_HALF_VIEW.get(k_dtype, k_dtype),
-                                                       _HALF_VIEW.get(v_dtype, v_dtype), None, None)
+    rows = stream_rows_handle() if streaming else group_rows_handle(HALF_VIEW.get(k_dtype, k_dtype),
+                                                       HALF_VIEW.get(v_dtype, v_dtype), None, None)
     unit = unit_address(STREAM_UNIT if streaming else UNIT[0],
                         (a4, array_type(k_dtype, 4), array_type(v_dtype, 4), types.none, c1, c1, types.float32,
                          types.float32, a4, types.Array(types.int64, 4, "C"), types.none, numba.typeof(rows),

@@ -45,8 +45,8 @@ from numba.np import numpy_support
 
 from .nonfinite import sanitised_rows
 from .quantized import row_elements, row_scratch, v_block_rows
-from .rows import ROWS, _axpy1, _axpy4, _axpy4x2, _axpy4x4, _dot1, _dot4, _dot4x2, _prefetch_row
-from .softmax import NEG_INF, _block_mask, _block_weights, _live_rows, _mask_terms, _score
+from .rows import ROWS, axpy1, axpy4, axpy4x2, axpy4x4, dot1, dot4, dot4x2, prefetch_row
+from .softmax import NEG_INF, block_mask, block_weights, live_rows, mask_terms, store_score
 from .stream import stream_if_float32, stream_rows
 from .._core.kernel import kernel, unit_address
 
@@ -106,20 +106,20 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
     for jb in range(j0, j1, ROWS):
         n = min(ROWS, j1 - jb)
         # 0. the block's mask: hidden from every head (skipped, K/V not read), all 0 (no terms) or terms to add
-        hidden, terms = _block_mask(mf, mbase, mhs, mcs, Hm, h0, G, jb, n)
+        hidden, terms = block_mask(mf, mbase, mhs, mcs, Hm, h0, G, jb, n)
         if hidden:
             continue
         # 1. mask terms (the scores start from them; without terms the scores are assigned, not added)
         if terms:
-            _mask_terms(sc, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb)
+            mask_terms(sc, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb)
         # K read in place (quantized rows: widened in registers by the dot products, _attention_quantized)
         kf, kbase, krs, kcs = k_rows
-        # 2. scores, the group's heads in register blocks against pairs of K rows (g not a literal 0: _score,
+        # 2. scores, the group's heads in register blocks against pairs of K rows (g not a literal 0: store_score,
         # compiled once, would compile again for it)
         g = np.int64(0)
         while g < G:
             width = 4 if G - g >= 4 else 1
-            n_live = _live_rows(sc, g, width, n, not terms, NEG_INF, rows)
+            n_live = live_rows(sc, g, width, n, not terms, NEG_INF, rows)
             if width == 4:
                 x = 0
                 while x + 1 < n_live:
@@ -127,45 +127,45 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
                     r2 = rows[x + 1]
                     if g == 0:
                         # spread over the first head block's dot products (see PREFETCH_K)
-                        _prefetch_row(kq, kbase_q + (jb + k_ahead + r1) * krs_q, k_lines, k_step)
-                        _prefetch_row(kq, kbase_q + (jb + k_ahead + r2) * krs_q, k_lines, k_step)
-                        _prefetch_row(vq, vbase_q + (jb + v_ahead + r1) * vrs_q, v_lines, v_step)
-                        _prefetch_row(vq, vbase_q + (jb + v_ahead + r2) * vrs_q, v_lines, v_step)
-                    s0, s1, s2, s3, t0, t1, t2, t3 = _dot4x2(qs, g, kf, kbase + (jb + r1) * krs,
+                        prefetch_row(kq, kbase_q + (jb + k_ahead + r1) * krs_q, k_lines, k_step)
+                        prefetch_row(kq, kbase_q + (jb + k_ahead + r2) * krs_q, k_lines, k_step)
+                        prefetch_row(vq, vbase_q + (jb + v_ahead + r1) * vrs_q, v_lines, v_step)
+                        prefetch_row(vq, vbase_q + (jb + v_ahead + r2) * vrs_q, v_lines, v_step)
+                    s0, s1, s2, s3, t0, t1, t2, t3 = dot4x2(qs, g, kf, kbase + (jb + r1) * krs,
                                                              kbase + (jb + r2) * krs, kcs)
-                    _score(sc, g, r1, s0, scale, softcap, not terms)
-                    _score(sc, g + 1, r1, s1, scale, softcap, not terms)
-                    _score(sc, g + 2, r1, s2, scale, softcap, not terms)
-                    _score(sc, g + 3, r1, s3, scale, softcap, not terms)
-                    _score(sc, g, r2, t0, scale, softcap, not terms)
-                    _score(sc, g + 1, r2, t1, scale, softcap, not terms)
-                    _score(sc, g + 2, r2, t2, scale, softcap, not terms)
-                    _score(sc, g + 3, r2, t3, scale, softcap, not terms)
+                    store_score(sc, g, r1, s0, scale, softcap, not terms)
+                    store_score(sc, g + 1, r1, s1, scale, softcap, not terms)
+                    store_score(sc, g + 2, r1, s2, scale, softcap, not terms)
+                    store_score(sc, g + 3, r1, s3, scale, softcap, not terms)
+                    store_score(sc, g, r2, t0, scale, softcap, not terms)
+                    store_score(sc, g + 1, r2, t1, scale, softcap, not terms)
+                    store_score(sc, g + 2, r2, t2, scale, softcap, not terms)
+                    store_score(sc, g + 3, r2, t3, scale, softcap, not terms)
                     x += 2
                 if x < n_live:
                     r1 = rows[x]
-                    s0, s1, s2, s3 = _dot4(qs, g, kf, kbase + (jb + r1) * krs, kcs)
-                    _score(sc, g, r1, s0, scale, softcap, not terms)
-                    _score(sc, g + 1, r1, s1, scale, softcap, not terms)
-                    _score(sc, g + 2, r1, s2, scale, softcap, not terms)
-                    _score(sc, g + 3, r1, s3, scale, softcap, not terms)
+                    s0, s1, s2, s3 = dot4(qs, g, kf, kbase + (jb + r1) * krs, kcs)
+                    store_score(sc, g, r1, s0, scale, softcap, not terms)
+                    store_score(sc, g + 1, r1, s1, scale, softcap, not terms)
+                    store_score(sc, g + 2, r1, s2, scale, softcap, not terms)
+                    store_score(sc, g + 3, r1, s3, scale, softcap, not terms)
             else:
                 for x in range(n_live):
                     r1 = rows[x]
                     if g == 0:
-                        _prefetch_row(kq, kbase_q + (jb + k_ahead + r1) * krs_q, k_lines, k_step)
-                        _prefetch_row(vq, vbase_q + (jb + v_ahead + r1) * vrs_q, v_lines, v_step)
-                    _score(sc, g, r1, _dot1(qs, g, kf, kbase + (jb + r1) * krs, kcs), scale, softcap, not terms)
+                        prefetch_row(kq, kbase_q + (jb + k_ahead + r1) * krs_q, k_lines, k_step)
+                        prefetch_row(vq, vbase_q + (jb + v_ahead + r1) * vrs_q, v_lines, v_step)
+                    store_score(sc, g, r1, dot1(qs, g, kf, kbase + (jb + r1) * krs, kcs), scale, softcap, not terms)
             g += width
         # 3. per head: rescale to the new max, turn scores into weights
-        _block_weights(sc, n, M, S, A)
+        block_weights(sc, n, M, S, A)
         # V read in place, or quantized rows some head weighs widened for a per-head mask (_attention_quantized)
         vf, vbase, vrs, vcs = v_block_rows(v_rows, DV, jb, sc, n, mf is None, rows, widened, per_head_mask)
         # 4. A += p v, same head blocks, V rows by fours then pairs
         g = np.int64(0)
         while g < G:
             width = 4 if G - g >= 4 else 1
-            n_live = _live_rows(sc, g, width, n, mf is None, np.float32(0.0), rows)
+            n_live = live_rows(sc, g, width, n, mf is None, np.float32(0.0), rows)
             src = vf  # the V rows: vf, or a copy of the block without non-finite rows some head weighs 0
             sb = vbase + jb * vrs
             srs = vrs
@@ -179,21 +179,21 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
                     r2 = rows[x + 1]
                     r3 = rows[x + 2]
                     r4 = rows[x + 3]
-                    _axpy4x4(A, g * DV, DV, sc, g, r1, r2, r3, r4, src, sb + r1 * srs, sb + r2 * srs,
+                    axpy4x4(A, g * DV, DV, sc, g, r1, r2, r3, r4, src, sb + r1 * srs, sb + r2 * srs,
                              sb + r3 * srs, sb + r4 * srs, scs)
                     x += 4
                 while x + 1 < n_live:
                     r1 = rows[x]
                     r2 = rows[x + 1]
-                    _axpy4x2(A, g * DV, DV, sc, g, r1, r2, src, sb + r1 * srs, sb + r2 * srs, scs)
+                    axpy4x2(A, g * DV, DV, sc, g, r1, r2, src, sb + r1 * srs, sb + r2 * srs, scs)
                     x += 2
                 if x < n_live:
                     r1 = rows[x]
-                    _axpy4(A, g * DV, DV, sc, g, r1, src, sb + r1 * srs, scs)
+                    axpy4(A, g * DV, DV, sc, g, r1, src, sb + r1 * srs, scs)
             else:
                 for x in range(n_live):
                     r1 = rows[x]
-                    _axpy1(A, g * DV, DV, sc[g, r1], src, sb + r1 * srs, scs)
+                    axpy1(A, g * DV, DV, sc[g, r1], src, sb + r1 * srs, scs)
             g += width
 
 

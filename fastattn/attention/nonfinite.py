@@ -14,7 +14,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from .rows import _axpy1
+from .rows import axpy1
 from .._core.kernel import kernel, to_f32
 
 
@@ -45,7 +45,7 @@ def _add_per_head(A, DV, p, g, width, r, vf, o, vcs):
     """A[h] += p[h, r] V row (flat offset o) for the heads h = g .. g+width whose weight is not 0."""
     for t in range(width):
         if p[g + t, r] != 0.0:
-            _axpy1(A, (g + t) * DV, DV, p[g + t, r], vf, o, vcs)
+            axpy1(A, (g + t) * DV, DV, p[g + t, r], vf, o, vcs)
 
 
 @kernel

@@ -29,7 +29,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 
 from .rows import ROWS
-from .softmax import _live_rows
+from .softmax import live_rows
 from .._core.kernel import assume_contiguous, kernel, to_f32
 from ..quant.blocks import BLOCK
 from .._core.simd import KERNEL_DTYPES, const, load1, load_lanes, loop, wide_lanes
@@ -78,7 +78,7 @@ def v_block_rows(rows_at, n_values, jb, sc, n, every, rows, scratch, per_head_ma
 @kernel
 def _widen_block(f, base, rs, n_values, jb, sc, n, every, rows, scratch):
     """``v_block_rows``' widening of quantized rows (a call: inlined, its loops confused Numba's inliner)."""
-    for x in range(_live_rows(sc, 0, sc.shape[0], n, every, np.float32(0.0), rows)):
+    for x in range(live_rows(sc, 0, sc.shape[0], n, every, np.float32(0.0), rows)):
         r = rows[x]
         widen_blocks(f, base + (jb + r) * rs, n_values, scratch, r * n_values)
 

@@ -1,7 +1,7 @@
 """Register-block arithmetic over a block of KV rows for a GQA group's heads (see ``attention.group``).
 
-Query heads go in blocks of 4 (the rest one by one). ``_dot4x2`` scores two K rows for 4 heads in one pass over the
-rows (8 sums); ``_axpy4x4`` adds four weighted V rows to 4 heads' accumulators, loading and storing each accumulator
+Query heads go in blocks of 4 (the rest one by one). ``dot4x2`` scores two K rows for 4 heads in one pass over the
+rows (8 sums); ``axpy4x4`` adds four weighted V rows to 4 heads' accumulators, loading and storing each accumulator
 once per four rows (the per-row update is bound by its vector stores). They are intrinsics that emit their vector
 loops themselves (``_core.simd``): a vector of columns at a time (float16 and bfloat16 rows: 16 where Numba's target has
 AVX-512, else 8; float32 rows: 8, ``_row_lanes``) with one float vector accumulator per head and row,
@@ -10,7 +10,7 @@ a column stride other than 1 takes the scalar loop for every column. Intrinsics 
 ``group_rows``: an inlined loop is typed, inlined and vectorised again at each call site (about 4 s of each
 ``group_rows`` specialisation's compile), where an intrinsic hands LLVM straight vector code. A (head, row) score is
 the same sum in every variant (the lanes reduced pairwise, then the scalar columns), so a row scores alike in
-``_dot4x2``, ``_dot4`` and ``_dot1``; the 8 or 4 accumulators of a call are reduced side by side
+``dot4x2``, ``dot4`` and ``dot1``; the 8 or 4 accumulators of a call are reduced side by side
 (``_core.simd.hsum_many``: about 3 instructions a sum instead of 8). Rows are addressed by flat offsets into 1-D C arrays
 (``attention.layout``).
 
@@ -141,24 +141,24 @@ def _quantized_dots(builder, dtype, base, q_rows, offsets, DK):
 
 
 @intrinsic
-def _dot4x2(typingctx, qs, g, kf, o1, o2, kcs):
+def dot4x2(typingctx, qs, g, kf, o1, o2, kcs):
     """Dot products of query rows g .. g+3 with the K rows at flat offsets o1 and o2: 8 sums (the 4 heads' of
     o1, then of o2), one pass over the rows."""
-    _check_rows("_dot4x2", qs, kf, (g, o1, o2), kcs)
+    _check_rows("dot4x2", qs, kf, (g, o1, o2), kcs)
     return types.UniTuple(types.float32, 8)(qs, g, kf, o1, o2, kcs), _dot_codegen(4, 2)
 
 
 @intrinsic
-def _dot4(typingctx, qs, g, kf, o1, kcs):
+def dot4(typingctx, qs, g, kf, o1, kcs):
     """Dot products of query rows g .. g+3 with the K row at flat offset o1."""
-    _check_rows("_dot4", qs, kf, (g, o1), kcs)
+    _check_rows("dot4", qs, kf, (g, o1), kcs)
     return types.UniTuple(types.float32, 4)(qs, g, kf, o1, kcs), _dot_codegen(4, 1)
 
 
 @intrinsic
-def _dot1(typingctx, qs, g, kf, o1, kcs):
+def dot1(typingctx, qs, g, kf, o1, kcs):
     """Dot product of query row g with the K row at flat offset o1."""
-    _check_rows("_dot1", qs, kf, (g, o1), kcs)
+    _check_rows("dot1", qs, kf, (g, o1), kcs)
     return types.float32(qs, g, kf, o1, kcs), _dot_codegen(1, 1)
 
 
@@ -262,41 +262,41 @@ def _check_axpy(name, A, a0, DV, p, vf, ints):
 
 
 @intrinsic
-def _axpy4x4(typingctx, A, a0, DV, p, g, r1, r2, r3, r4, vf, o1, o2, o3, o4, vcs):
+def axpy4x4(typingctx, A, a0, DV, p, g, r1, r2, r3, r4, vf, o1, o2, o3, o4, vcs):
     """A[g .. g+3] += p[.., r] V row for four rows: each accumulator is loaded and stored once per four rows
     (the per-row update is bound by its 256-bit stores)."""
-    _check_axpy("_axpy4x4", A, a0, DV, p, vf, (g, r1, r2, r3, r4, o1, o2, o3, o4, vcs))
+    _check_axpy("axpy4x4", A, a0, DV, p, vf, (g, r1, r2, r3, r4, o1, o2, o3, o4, vcs))
     return types.none(A, a0, DV, p, g, r1, r2, r3, r4, vf, o1, o2, o3, o4, vcs), _axpy_codegen(4, 4)
 
 
 @intrinsic
-def _axpy4x2(typingctx, A, a0, DV, p, g, r1, r2, vf, o1, o2, vcs):
+def axpy4x2(typingctx, A, a0, DV, p, g, r1, r2, vf, o1, o2, vcs):
     """A[g .. g+3] += p[.., r1] V row o1 + p[.., r2] V row o2 (A flat, head g's DV values at a0)."""
-    _check_axpy("_axpy4x2", A, a0, DV, p, vf, (g, r1, r2, o1, o2, vcs))
+    _check_axpy("axpy4x2", A, a0, DV, p, vf, (g, r1, r2, o1, o2, vcs))
     return types.none(A, a0, DV, p, g, r1, r2, vf, o1, o2, vcs), _axpy_codegen(2, 4)
 
 
 @intrinsic
-def _axpy4(typingctx, A, a0, DV, p, g, r1, vf, o1, vcs):
+def axpy4(typingctx, A, a0, DV, p, g, r1, vf, o1, vcs):
     """A[g .. g+3] += p[.., r1] V row o1, one FMA per value."""
-    _check_axpy("_axpy4", A, a0, DV, p, vf, (g, r1, o1, vcs))
+    _check_axpy("axpy4", A, a0, DV, p, vf, (g, r1, o1, vcs))
     return types.none(A, a0, DV, p, g, r1, vf, o1, vcs), _axpy_codegen(1, 4)
 
 
 @intrinsic
-def _axpy1(typingctx, A, a0, DV, p0, vf, o1, vcs):
+def axpy1(typingctx, A, a0, DV, p0, vf, o1, vcs):
     """A[a0 .. a0+DV] += p0 V row o1, one FMA per value."""
-    _check_axpy("_axpy1", A, a0, DV, p0, vf, (o1, vcs))
+    _check_axpy("axpy1", A, a0, DV, p0, vf, (o1, vcs))
     return types.none(A, a0, DV, p0, vf, o1, vcs), _axpy_codegen(1, 1)
 
 
 @intrinsic
-def _prefetch_row(typingctx, f, start, lines, step):
+def prefetch_row(typingctx, f, start, lines, step):
     """Prefetch ``lines`` cache lines from flat offset ``start`` of ``f`` (1-D), ``step`` elements apart (a hint:
     never faults, so the lines may run past the end of ``f``)."""
     if not (isinstance(f, types.Array) and f.ndim == 1
             and all(isinstance(t, types.Integer) for t in (start, lines, step))):
-        raise TypingError(f"_prefetch_row: expected a 1-D array and integers, got {f}, {start}, {lines}, {step}")
+        raise TypingError(f"prefetch_row: expected a 1-D array and integers, got {f}, {start}, {lines}, {step}")
 
     def codegen(context, builder, signature, llargs):
         data = context.make_array(signature.args[0])(context, builder, llargs[0]).data

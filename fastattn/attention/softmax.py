@@ -1,9 +1,9 @@
 """The online-softmax steps of a block of KV rows for a GQA group's heads (see ``attention.group``).
 
 ``_mask_block_kind`` tells a block the mask hides from every head (skipped whole) or leaves at 0 (no mask
-terms); ``_mask_terms`` starts the scores from slope·mask (``-inf`` where the mask is ``-inf``, whatever the slope);
-``_score`` adds a logit (a hidden score stays ``-inf``); ``_live_rows`` lists the rows some head of a register
-block still needs; ``_block_weights`` rescales the running sum ``S`` and output ``A`` to the block's new max and
+terms); ``mask_terms`` starts the scores from slope·mask (``-inf`` where the mask is ``-inf``, whatever the slope);
+``store_score`` adds a logit (a hidden score stays ``-inf``); ``live_rows`` lists the rows some head of a register
+block still needs; ``block_weights`` rescales the running sum ``S`` and output ``A`` to the block's new max and
 turns scores into weights; ``finalize`` folds in the sink and normalises. The max skips NaN scores, so a NaN is
 carried by ``S`` and reaches the output.
 """
@@ -25,7 +25,7 @@ def _logit(dot, scale, softcap):
 
 
 @kernel(llvm_inline=True)
-def _score(sc, g, r, dot, scale, softcap, unmasked):
+def store_score(sc, g, r, dot, scale, softcap, unmasked):
     """sc[g, r] = its logit (unmasked) or mask term + logit; a hidden score (mask term -inf) stays -inf, whatever
     the K row holds (a row hidden for one head of a register block may be live for another)."""
     if unmasked:
@@ -36,7 +36,7 @@ def _score(sc, g, r, dot, scale, softcap, unmasked):
 
 
 @kernel(inline=True)
-def _live_rows(sc, g, width, n, every, dead, rows):
+def live_rows(sc, g, width, n, every, dead, rows):
     """rows[:k] = the rows r < n where sc[g .. g+width, r] is not ``dead`` for some head; returns k. ``every``:
     all n rows (no mask: nothing to skip, and a row of zero weights adds nothing)."""
     if every:
@@ -84,7 +84,7 @@ def _mask_block_kind(mf, mbase, mhs, mcs, Hm, h0, G, jb, n):
 
 
 @kernel(inline=True)
-def _block_mask(mf, mbase, mhs, mcs, Hm, h0, G, jb, n):
+def block_mask(mf, mbase, mhs, mcs, Hm, h0, G, jb, n):
     """(hidden, terms) of a block of n columns for heads h0 .. h0+G: hidden from every head (the caller skips it,
     its K/V unread), and whether its mask terms must be added (no mask, or an all-0 block: the scores are the
     logits). (False, False) without a mask."""
@@ -95,7 +95,7 @@ def _block_mask(mf, mbase, mhs, mcs, Hm, h0, G, jb, n):
 
 
 @kernel(inline=True)
-def _mask_terms(sc, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb):
+def mask_terms(sc, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb):
     """sc[g, :n] = slope * mask of head h0 + g over the block's columns jb .. jb+n (nothing without a mask)."""
     if mf is not None:
         for g in range(sc.shape[0]):
@@ -108,7 +108,7 @@ def _mask_terms(sc, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb):
 
 
 @kernel(inline=True)
-def _block_weights(sc, n, M, S, A):
+def block_weights(sc, n, M, S, A):
     """Per head g of sc (G, >= n): rescale S[g] and A's head g to the block's new max, sc[g, :n] = weights."""
     G = sc.shape[0]
     DV = A.shape[0] // G

@@ -12,8 +12,8 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 
 from .nonfinite import drop_mixed
-from .rows import ROWS, _axpy1, _axpy4, _dot1, _dot4, _prefetch_row, is_c
-from .softmax import NEG_INF, _block_mask, _block_weights, _live_rows, _mask_terms, _score
+from .rows import ROWS, axpy1, axpy4, dot1, dot4, prefetch_row, is_c
+from .softmax import NEG_INF, block_mask, block_weights, live_rows, mask_terms, store_score
 from .._core.kernel import kernel
 from .._core.simd import KERNEL_DTYPES, V8, as_int64, const, fma, load8, loop, splat
 
@@ -30,14 +30,14 @@ def _scores_of_row(qs, kf, o, kcs, sc, r, scale, softcap, unmasked):
     G = qs.shape[0]
     g = 0
     while g + 4 <= G:
-        s0, s1, s2, s3 = _dot4(qs, g, kf, o, kcs)
-        _score(sc, g, r, s0, scale, softcap, unmasked)
-        _score(sc, g + 1, r, s1, scale, softcap, unmasked)
-        _score(sc, g + 2, r, s2, scale, softcap, unmasked)
-        _score(sc, g + 3, r, s3, scale, softcap, unmasked)
+        s0, s1, s2, s3 = dot4(qs, g, kf, o, kcs)
+        store_score(sc, g, r, s0, scale, softcap, unmasked)
+        store_score(sc, g + 1, r, s1, scale, softcap, unmasked)
+        store_score(sc, g + 2, r, s2, scale, softcap, unmasked)
+        store_score(sc, g + 3, r, s3, scale, softcap, unmasked)
         g += 4
     while g < G:
-        _score(sc, g, r, _dot1(qs, g, kf, o, kcs), scale, softcap, unmasked)
+        store_score(sc, g, r, dot1(qs, g, kf, o, kcs), scale, softcap, unmasked)
         g += 1
 
 
@@ -47,10 +47,10 @@ def _values_of_row(A, DV, p, r, vf, o, vcs):
     G = p.shape[0]
     g = 0
     while g + 4 <= G:
-        _axpy4(A, g * DV, DV, p, g, r, vf, o, vcs)
+        axpy4(A, g * DV, DV, p, g, r, vf, o, vcs)
         g += 4
     while g < G:
-        _axpy1(A, g * DV, DV, p[g, r], vf, o, vcs)
+        axpy1(A, g * DV, DV, p[g, r], vf, o, vcs)
         g += 1
 
 
@@ -99,7 +99,7 @@ def _check_values_columns(A, p, rows, vf):
 @intrinsic
 def _values_columns4(typingctx, A, p, rows, vf, g, DV, n, vbase, vrs, c0):
     """For heads h = g .. g+3 and the 16 columns c0 .. c0+15: A[h*DV + c] += p[h, r] * V(vf[vbase + r*vrs + c])
-    for r = rows[0], .., rows[n-1] in that order, one FMA per row (the roundings of ``_axpy4`` row after row),
+    for r = rows[0], .., rows[n-1] in that order, one FMA per row (the roundings of ``axpy4`` row after row),
     the 8 accumulators held in registers across the rows: A is loaded and stored once per call. V(.) widens
     float16 / bfloat16 bits exactly (``_core.simd.load8``)."""
     _check_values_columns(A, p, rows, vf)
@@ -145,7 +145,7 @@ def stream_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0,
       the hardware prefetchers, so each iteration prefetches the V row of the same index in the block being
       scored (added one block later) and the K row STREAM_K_AHEAD rows ahead; without those prefetches the slices
       read at a fraction of the row-by-row bandwidth (docs/attention.md);
-    - row by row otherwise: one V row of block b per iteration added to every head's A (``_axpy4``). Reading K
+    - row by row otherwise: one V row of block b per iteration added to every head's A (``axpy4``). Reading K
       and V rows side by side keeps more bandwidth than reading them block after block; row pairs were slower.
     """
     kf, kbase, krs, kcs = k_rows
@@ -174,22 +174,22 @@ def stream_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0,
     for jb in range(j0, j1 + ROWS, ROWS):
         n = max(0, min(ROWS, j1 - jb))  # 0: the pass after the last block, adding its V rows only
         # group_rows' step 0 (the final pass, n == 0, is never skipped: it adds the last block's V rows)
-        hidden, terms = _block_mask(mf, mbase, mhs, mcs, Hm, h0, G, jb, n) if n > 0 else (False, False)
+        hidden, terms = block_mask(mf, mbase, mhs, mcs, Hm, h0, G, jb, n) if n > 0 else (False, False)
         if hidden:
             # skipped, its K/V rows not read. The pending V rows of the last block scored are added in the next
             # pass that runs, still before its softmax step, in the same order
             continue
         if terms:
-            _mask_terms(cur, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb)
-        n_cur = _live_rows(cur, 0, G, n, not terms, NEG_INF, cur_rows)
+            mask_terms(cur, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb)
+        n_cur = live_rows(cur, 0, G, n, not terms, NEG_INF, cur_rows)
         if by_columns:
             done = 0  # column slices of the previous block's V rows added so far
             for x in range(n_cur):
                 r = cur_rows[x]
                 _scores_of_row(qs, kf, kbase + (jb + r) * krs, kcs, cur, r, scale, softcap, not terms)
                 # this block's V row (added during the next block) and a K row STREAM_K_AHEAD rows on
-                _prefetch_row(vf, vbase + (jb + r) * vrs, v_lines, v_step)
-                _prefetch_row(kf, kbase + (jb + r + STREAM_K_AHEAD) * krs, k_lines, k_step)
+                prefetch_row(vf, vbase + (jb + r) * vrs, v_lines, v_step)
+                prefetch_row(kf, kbase + (jb + r + STREAM_K_AHEAD) * krs, k_lines, k_step)
                 if x % COLUMN_EVERY == COLUMN_EVERY - 1 and done < n_slices and n_prev > 0:
                     _values_of_columns(A, DV, prev, prev_rows, n_prev, vf, vbase + prev_jb * vrs, vrs,
                                        done * VALUE_COLUMNS)
@@ -206,8 +206,8 @@ def stream_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0,
                 if x < n_prev:
                     r = prev_rows[x]
                     _values_of_row(A, DV, prev, r, vf, vbase + (prev_jb + r) * vrs, vcs)
-        _block_weights(cur, n, M, S, A)
-        n_prev = _live_rows(cur, 0, G, n, unmasked, np.float32(0.0), cur_rows)
+        block_weights(cur, n, M, S, A)
+        n_prev = live_rows(cur, 0, G, n, unmasked, np.float32(0.0), cur_rows)
         if per_head:
             n_prev = drop_mixed(per_head_mask, A, DV, cur, cur_rows, n_prev, vf, vbase + jb * vrs, vrs, vcs)
         cur, prev = prev, cur

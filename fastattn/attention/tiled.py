@@ -28,7 +28,7 @@ Layout of a thread slot's float32 scratch (C-contiguous; cols = heads·Q_TILE, h
     o   (cols, DV↑16)         unnormalised output rows;  m, l, alpha, tile_max (cols,): softmax state
 
 Both products are C[R, 16] (+)= A[R, :k] B[:k, 16] with B row-major, R = BLOCK_ROWS (16 on AVX-512, 6 on
-AVX2): ``_block_scores`` (ks · qt) and ``_block_values`` (stᵀ · vs, with O's rescale by alpha folded into the
+AVX2): ``block_scores`` (ks · qt) and ``block_values`` (stᵀ · vs, with O's rescale by alpha folded into the
 load of C), register-blocked intrinsics in ``attention.tiled_products``. Numba's own loops cannot hold vector
 accumulators across an outer loop, and BLAS (``np.dot``) called from every prange thread contends for OpenBLAS's
 own thread pool.
@@ -44,8 +44,8 @@ import numpy as np
 from numba import prange, types
 
 from .._core import threads as _threads
-from .tiled_products import (BLOCK_COLS, BLOCK_ROWS, _block_scores, _block_values, _exp_pass, _fma,
-                             _values_skipping_zeros)
+from .tiled_products import (BLOCK_COLS, BLOCK_ROWS, block_scores, block_values, exp_pass, fma_f32,
+                             values_skipping_zeros)
 from .quantized import widen_rows
 from .._core.kernel import (argument_positions, assume_contiguous, call_any_layout, call_unit, fast_exp, fetch_add,
                              kernel, to_f32, work_unit)
@@ -204,7 +204,7 @@ def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, soft
             c0 = hh * Q_TILE
             for rb in range(lo // BLOCK_ROWS, -(-hi // BLOCK_ROWS)):
                 for cb in range(c0, c0 + Q_TILE, BLOCK_COLS):
-                    _block_scores(ks, qt, st, rb * BLOCK_ROWS, cb, DK)
+                    block_scores(ks, qt, st, rb * BLOCK_ROWS, cb, DK)
             if kind == MASK_ADD and h % mask.shape[1] != loaded_plane:
                 loaded_plane = h % mask.shape[1]
                 _copy_mask_block(mask[bm, loaded_plane], i0, nq, j0, nk, mt)
@@ -228,13 +228,13 @@ def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, soft
                     if softcap != 0.0:
                         for c in range(Q_TILE):
                             mc = m_row[c]
-                            x = _NEG_INF if mc == _NEG_INF else _fma(slope, mc, row[c])  # hidden: K not read
+                            x = _NEG_INF if mc == _NEG_INF else fma_f32(slope, mc, row[c])  # hidden: K not read
                             row[c] = x
                             t_max[c] = max(t_max[c], x)
                     else:
                         for c in range(Q_TILE):
                             mc = m_row[c]
-                            x = _NEG_INF if mc == _NEG_INF else _fma(slope, mc, row[c] * scale)
+                            x = _NEG_INF if mc == _NEG_INF else fma_f32(slope, mc, row[c] * scale)
                             row[c] = x
                             t_max[c] = max(t_max[c], x)
                 elif softcap == 0.0:
@@ -253,17 +253,17 @@ def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, soft
                 m_h[c] = m_new
                 l_h[c] *= a_h[c]
             t_sum[:] = 0.0
-            _exp_pass(st, lo, hi, c0, t_max, t_sum)
+            exp_pass(st, lo, hi, c0, t_max, t_sum)
             for c in range(Q_TILE):
                 l_h[c] += t_sum[c]
             if kind == MASK_ADD and not v_finite:  # hidden keys weigh 0: keep them off a NaN V row
-                _values_skipping_zeros(st, vs, o, alpha, c0, c0 + row_blocks * BLOCK_ROWS, lo, hi)
+                values_skipping_zeros(st, vs, o, alpha, c0, c0 + row_blocks * BLOCK_ROWS, lo, hi)
                 continue
             st_live = st[lo:]
             vs_live = vs[lo:]
             for rb in range(row_blocks):
                 for cb in range(0, dv_pad, BLOCK_COLS):
-                    _block_values(st_live, vs_live, o, alpha, c0 + rb * BLOCK_ROWS, cb, hi - lo)
+                    block_values(st_live, vs_live, o, alpha, c0 + rb * BLOCK_ROWS, cb, hi - lo)
 
     for hh in range(n_heads):
         h = h_first + hh

@@ -1,8 +1,8 @@
 """The tiled attention path's two register-blocked products and its softmax weights, as LLVM intrinsics (see
 ``attention.tiled``).
 
-Both products are C[R, 16] (+)= A[R, :k] B[:k, 16] with B row-major (R = BLOCK_ROWS): ``_block_scores`` (a K tile
-times the Q tile transposed; the head dimension summed in runs of SCORE_CHUNK terms) and ``_block_values``
+Both products are C[R, 16] (+)= A[R, :k] B[:k, 16] with B row-major (R = BLOCK_ROWS): ``block_scores`` (a K tile
+times the Q tile transposed; the head dimension summed in runs of SCORE_CHUNK terms) and ``block_values``
 (probabilitiesᵀ times a V tile, with the output's rescale by alpha folded into the load of C). Each keeps a
 BLOCK_ROWS x 16 block of C in registers for the whole k loop, as sgemm kernels do. On AVX2, 6 x 16: twelve ymm
 registers and twelve 8-wide FMAs per step against two B loads and six broadcasts. Where Numba's target has AVX-512
@@ -10,8 +10,8 @@ registers and twelve 8-wide FMAs per step against two B loads and six broadcasts
 broadcasts; with six rows the six FMA chains could not cover the FMA's latency on two ports (prefill 2048 causal, 1
 thread: 16 rows took 0.82x the time of 6, 8 rows 0.91x, 24 rows 0.86x). Each element of C takes the same FMAs in the
 same order with any block.
-``_values_skipping_zeros`` is ``_block_values`` without the zero weights, for V tiles holding inf or NaN.
-``_exp_pass`` turns a tile's scores into softmax weights (``fast_exp`` of score minus max) 16 lanes wide.
+``values_skipping_zeros`` is ``block_values`` without the zero weights, for V tiles holding inf or NaN.
+``exp_pass`` turns a tile's scores into softmax weights (``fast_exp`` of score minus max) 16 lanes wide.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from numba import types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
-from .._core.kernel import _EXP_MAX, _EXP_MIN, _LN2_HI, _LN2_LO, _LOG2E, EXP_POLYNOMIAL, kernel
+from .._core.kernel import EXP_MAX, EXP_MIN, LN2_HI, LN2_LO, LOG2E, EXP_POLYNOMIAL, kernel
 from .._core.simd import as_int64, const, fma, loop, splat, wide_lanes
 
 #: The score product sums the head dimension in runs of this many terms, each in fresh accumulators, then adds
@@ -114,7 +114,7 @@ def _block_codegen(a_transposed: bool, scaled_accumulate: bool, k_chunk: int = 0
 
 
 @intrinsic
-def _block_scores(typingctx, ks, qt, st, i, j, kdim):
+def block_scores(typingctx, ks, qt, st, i, j, kdim):
     """st[i:i+6, j:j+16] = ks[i:i+6, :kdim] @ qt[:kdim, j:j+16], in runs of SCORE_CHUNK values of kdim"""
     _check_scratch(ks, qt, st)
     return types.none(ks, qt, st, i, j, kdim), _block_codegen(a_transposed=False, scaled_accumulate=False,
@@ -122,17 +122,17 @@ def _block_scores(typingctx, ks, qt, st, i, j, kdim):
 
 
 @intrinsic
-def _block_values(typingctx, st, vs, o, alpha, i, j, kdim):
+def block_values(typingctx, st, vs, o, alpha, i, j, kdim):
     """o[i:i+6, j:j+16] = alpha[i:i+6, None] * o[i:i+6, j:j+16] + st[:kdim, i:i+6].T @ vs[:kdim, j:j+16]"""
     _check_scratch(st, vs, o, alpha)
     return types.none(st, vs, o, alpha, i, j, kdim), _block_codegen(a_transposed=True, scaled_accumulate=True)
 
 
 @intrinsic
-def _fma(typingctx, a, b, c):
+def fma_f32(typingctx, a, b, c):
     """a·b + c rounded once (``llvm.fma``: the FMA of the block products)."""
     if not (a == types.float32 and b == types.float32 and c == types.float32):
-        raise TypingError("_fma: expected float32 arguments")
+        raise TypingError("fma_f32: expected float32 arguments")
 
     def codegen(context, builder, signature, args):
         return fma(builder, *args)
@@ -141,8 +141,8 @@ def _fma(typingctx, a, b, c):
 
 
 @kernel
-def _values_skipping_zeros(st, vs, o, alpha, c0, c1, lo, hi):
-    """``_block_values`` for columns c0 .. c1 of a head over KV rows lo .. hi, column by column, leaving out every
+def values_skipping_zeros(st, vs, o, alpha, c0, c1, lo, hi):
+    """``block_values`` for columns c0 .. c1 of a head over KV rows lo .. hi, column by column, leaving out every
     (row, column) whose weight is 0: the same FMAs in the same order, minus those that add 0·v. For V tiles with
     a non-finite row, where that 0 may be a hidden key's weight and v NaN."""
     for c in range(c0, c1):
@@ -155,7 +155,7 @@ def _values_skipping_zeros(st, vs, o, alpha, c0, c1, lo, hi):
             if p != 0.0:
                 row = vs[jj]
                 for d in range(oc.shape[0]):
-                    oc[d] = _fma(p, row[d], oc[d])
+                    oc[d] = fma_f32(p, row[d], oc[d])
 
 
 def _exp_lanes(builder, x):
@@ -168,13 +168,13 @@ def _exp_lanes(builder, x):
     def c(value):
         return ir.Constant(vector, [float(value)] * lanes)
 
-    below = builder.fcmp_ordered("<", x, c(_EXP_MIN))
-    above = builder.fcmp_ordered(">", x, c(_EXP_MAX))
-    xc = builder.select(below, c(_EXP_MIN), builder.select(above, c(_EXP_MAX), x))
+    below = builder.fcmp_ordered("<", x, c(EXP_MIN))
+    above = builder.fcmp_ordered(">", x, c(EXP_MAX))
+    xc = builder.select(below, c(EXP_MIN), builder.select(above, c(EXP_MAX), x))
     floor = builder.module.declare_intrinsic(f"llvm.floor.v{lanes}f32", (), ir.FunctionType(vector, [vector]))
-    n = builder.call(floor, [fma(builder, xc, c(_LOG2E), c(0.5))])
-    r = fma(builder, n, c(-_LN2_HI), xc)
-    r = fma(builder, n, c(-_LN2_LO), r)
+    n = builder.call(floor, [fma(builder, xc, c(LOG2E), c(0.5))])
+    r = fma(builder, n, c(-LN2_HI), xc)
+    r = fma(builder, n, c(-LN2_LO), r)
     p = c(EXP_POLYNOMIAL[0])
     for coefficient in EXP_POLYNOMIAL[1:]:
         p = fma(builder, p, r, c(coefficient))
@@ -186,13 +186,13 @@ def _exp_lanes(builder, x):
 
 
 @intrinsic
-def _exp_pass(typingctx, st, lo, hi, c0, t_max, t_sum):
+def exp_pass(typingctx, st, lo, hi, c0, t_max, t_sum):
     """st[j, c0 + c] = fast_exp(st[j, c0 + c] - t_max[c]) for rows lo <= j < hi and c < len(t_max), and
     t_sum[c] += each, in row order: the softmax weights of a tile, in vectors of ``wide_lanes()`` floats (a Numba
     loop vectorises 8 wide on AVX-512), each t_sum[c] kept in a register across the rows."""
     _check_scratch(st, t_max, t_sum)
     if not all(isinstance(t, types.Integer) for t in (lo, hi, c0)):
-        raise TypingError("_exp_pass: expected integer rows and column")
+        raise TypingError("exp_pass: expected integer rows and column")
 
     def codegen(context, builder, signature, args):
         st_a, tmax_a, tsum_a = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 4, 5))

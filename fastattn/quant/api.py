@@ -30,7 +30,7 @@ from numba.extending import intrinsic, overload
 
 from .._core import layout as _layout
 from .._core import threads as _threads
-from .._core.kernel import (EXACT, _f16_bits_to_f32, _f32_to_f16_bits, any_layout, assume_contiguous, call_any_layout,
+from .._core.kernel import (EXACT, f16_bits_to_f32, f32_to_f16_bits, any_layout, assume_contiguous, call_any_layout,
                            kernel, kernel_view, to_f32)
 from .blocks import BLOCK, BLOCK_BYTES, QTYPE_CODES, Quantized, quantized_array, values_array
 from .._core.simd import (KERNEL_DTYPES, LANES, V8, as_int64, block_scale, block_values, const, load1, load8, shuffle,
@@ -71,14 +71,14 @@ def _from_bits(typingctx, bits):
 @kernel(inline=True, fastmath=EXACT)
 def _store_scale(out, o, d):
     """The float16 scale ``d`` (rounded to nearest even) as two little-endian bytes at out[o]."""
-    bits = _f32_to_f16_bits(d)
+    bits = f32_to_f16_bits(d)
     out[o] = np.uint8(bits & 0xFF)
     out[o + 1] = np.uint8(bits >> 8)
 
 
 @kernel(inline=True, fastmath=EXACT)
 def _load_scale(data, o):
-    return _f16_bits_to_f32(np.uint16(np.int32(data[o]) | (np.int32(data[o + 1]) << 8)))
+    return f16_bits_to_f32(np.uint16(np.int32(data[o]) | (np.int32(data[o + 1]) << 8)))
 
 
 @kernel(inline=True, fastmath=EXACT)

@@ -28,7 +28,7 @@ from numba.extending import overload
 
 from .._core.kernel import any_layout, assume_contiguous, call_unit, fetch_add, kernel, prefetch, work_unit
 from .cache import CACHE_BLOCK, cache_block
-from .rotate import (ROWS_STRIDED, TOKEN_BLOCK, ROTATION_FASTMATH, _PICK, rope_block, rotate_rows_adjacent,
+from .rotate import (ROWS_STRIDED, TOKEN_BLOCK, ROTATION_FASTMATH, PICK_OPTIONS, rope_block, rotate_rows_adjacent,
                      rotate_rows_split)
 from .._core.simd import LANES
 
@@ -86,7 +86,7 @@ def _step(x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layou
     driver compiles, so each compiled driver holds only one step's loop)."""
 
 
-@overload(_step, jit_options=_PICK)
+@overload(_step, jit_options=PICK_OPTIONS)
 def _step_impl(x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layout):
     if isinstance(idx, types.NoneType):
         return lambda x, out, idx, keep, n, cache_row, n_pairs, interleaved, in_place, layout: _rotate_step(
@@ -134,7 +134,7 @@ def _rotate_whole(x, out, idx, keep, n, cache_row, n_pairs, interleaved):
     out[idx[n]] when ``keep`` marks it. Kernel-only."""
 
 
-@overload(_rotate_whole, jit_options=_PICK)
+@overload(_rotate_whole, jit_options=PICK_OPTIONS)
 def _rotate_whole_impl(x, out, idx, keep, n, cache_row, n_pairs, interleaved):
     if isinstance(idx, types.NoneType):
         return lambda x, out, idx, keep, n, cache_row, n_pairs, interleaved: _rotate_rows(

@@ -125,7 +125,7 @@ ROTATION_FASTMATH = frozenset({"nsz", "arcp"})
 #: The options of the overloads that pick a step by argument type: compiled as functions of their own, not inlined
 #: (Numba compiles an inlined overload's implementation anyway, then types it again inside every caller); cached
 #: within their callers.
-_PICK = {key: value for key, value in KERNEL_OPTIONS.items() if key != "cache"} | {
+PICK_OPTIONS = {key: value for key, value in KERNEL_OPTIONS.items() if key != "cache"} | {
     "fastmath": set(ROTATION_FASTMATH)}
 
 

@@ -28,7 +28,7 @@ from .._core.dispatch import (Route, aligned, array_type, c_contiguous, meta, ov
                               unit_rows)
 from .._core.kernel import any_layout, assume_contiguous, call_unit, kernel, unit_address, use_threads
 from .drivers import CACHED_UNIT, FUSED_UNIT, drive_fused, drive_parallel
-from .rotate import ROTATION_FASTMATH, _PICK, ROWS_UNIT, rope_block, token_layout_of
+from .rotate import ROTATION_FASTMATH, PICK_OPTIONS, ROWS_UNIT, rope_block, token_layout_of
 from .._core.validate import FLOAT32
 from ..quant.api import blocks_fill, quantize_row
 
@@ -58,7 +58,7 @@ def _cache_row(dst, r, n_heads, head_dim):
     raise NotImplementedError
 
 
-@overload(_cache_row, jit_options=_PICK)
+@overload(_cache_row, jit_options=PICK_OPTIONS)
 def _cache_row_impl(dst, r, n_heads, head_dim):
     if dst.ndim == 2:  # typed as the 3-D cache's rows are, so that rope_block compiles once for both
         return lambda dst, r, n_heads, head_dim: any_layout(assume_contiguous(dst[r]).reshape((n_heads, head_dim)))
@@ -104,7 +104,7 @@ def _cached_variant(x, out, idx, cs, n_pairs, interleaved, max_bytes):
     raise NotImplementedError
 
 
-@overload(_cached_variant, jit_options=_PICK)
+@overload(_cached_variant, jit_options=PICK_OPTIONS)
 def _cached_variant_impl(x, out, idx, cs, n_pairs, interleaved, max_bytes):
     if isinstance(idx, types.NoneType):
         return lambda x, out, idx, cs, n_pairs, interleaved, max_bytes: _rotate_tokens(
@@ -247,7 +247,7 @@ def _fused_variant(unit, x, out, idx, pos, plan, min_bytes, n_threads):
     raise NotImplementedError
 
 
-@overload(_fused_variant, jit_options=_PICK)
+@overload(_fused_variant, jit_options=PICK_OPTIONS)
 def _fused_variant_impl(unit, x, out, idx, pos, plan, min_bytes, n_threads):
     if isinstance(idx, types.NoneType):
         return lambda unit, x, out, idx, pos, plan, min_bytes, n_threads: _fused_tokens(
