@@ -125,6 +125,100 @@ def _copy_mask_block(plane, i0, nq, j0, nk, mt):
             mt[jj, ii] = to_f32(seg[jj])
 
 
+@kernel(inline=True)
+def _start_task(q, qt, mt, m, l, o, b, h_first, n_heads, i0, nq):
+    """A task's scratch before its first KV tile: the Q rows of its heads transposed into ``qt`` (padding columns
+    of a short last Q tile zero, so their scores stay finite), the mask block's padding columns zero, and each
+    column's running max -inf, sum 0 and output row 0."""
+    DK = q.shape[3]
+    n_cols = n_heads * Q_TILE
+    for d in range(DK):
+        qt[d, :n_cols] = 0.0
+    for hh in range(n_heads):
+        q_plane = q[b, h_first + hh]
+        for ii in range(nq):
+            src = q_plane[i0 + ii]
+            c = hh * Q_TILE + ii
+            for d in range(DK):
+                qt[d, c] = src[d]
+    for jj in range(mt.shape[0]):
+        mt[jj, nq:] = 0.0
+    for c in range(n_cols):
+        m[c] = _NEG_INF
+        l[c] = 0.0
+        o[c, :] = 0.0
+
+
+@kernel(inline=True)
+def _logits(st, mt, t_max, lo, hi, c0, additive, slope, scale, softcap):
+    """Rows lo .. hi of one head's scores in ``st`` (columns c0 .. c0 + Q_TILE) turned into logits in place:
+    scaled, soft-capped when ``softcap`` is not 0, plus slope·mask from ``mt`` when the mask block is additive
+    (a -inf entry hides its key: -inf whatever the score); ``t_max`` gets each column's max. Whole Q_TILE
+    columns (padding columns of a short tile hold finite scores): loops of a compile-time trip count vectorise
+    without a scalar remainder."""
+    t_max[:] = _NEG_INF
+    for jj in range(lo, hi):
+        row = st[jj, c0:c0 + Q_TILE]
+        if softcap != 0.0:
+            for c in range(Q_TILE):
+                row[c] = softcap * np.tanh(row[c] * scale / softcap)
+            if not additive:
+                for c in range(Q_TILE):
+                    t_max[c] = max(t_max[c], row[c])
+        if additive:
+            m_row = mt[jj]
+            # one FMA adds slope·mask to the rounded logit: at logits near 1e4 every extra rounding moves the
+            # output by about 1e-3
+            if softcap != 0.0:
+                for c in range(Q_TILE):
+                    mc = m_row[c]
+                    x = _NEG_INF if mc == _NEG_INF else fma_f32(slope, mc, row[c])  # hidden: K not read
+                    row[c] = x
+                    t_max[c] = max(t_max[c], x)
+            else:
+                for c in range(Q_TILE):
+                    mc = m_row[c]
+                    x = _NEG_INF if mc == _NEG_INF else fma_f32(slope, mc, row[c] * scale)
+                    row[c] = x
+                    t_max[c] = max(t_max[c], x)
+        elif softcap == 0.0:
+            for c in range(Q_TILE):
+                x = row[c] * scale
+                row[c] = x
+                t_max[c] = max(t_max[c], x)
+
+
+@kernel(inline=True)
+def _finish_task(out, m, l, o, sinks, has_sinks, b, h_first, n_heads, i0, nq):
+    """The task's output rows: each column's values over its sum, the sink joining the denominator when there
+    is one; a column with every score and the sink masked gives zeros, as the reference (a NaN score, skipped
+    by the max, left l NaN: NaN out)."""
+    DV = out.shape[3]
+    for hh in range(n_heads):
+        h = h_first + hh
+        for ii in range(nq):
+            c = hh * Q_TILE + ii
+            m_row = m[c]
+            l_row = l[c]
+            acc = o[c]
+            if has_sinks:
+                sink = sinks[h]
+                m_all = sink if (sink > m_row or sink != sink) else m_row  # a NaN sink: NaN out
+                if m_all != _NEG_INF:
+                    shrink = fast_exp(m_row - m_all)
+                    for d in range(DV):
+                        acc[d] *= shrink
+                    l_row = l_row * shrink + fast_exp(sink - m_all)
+                m_row = m_all
+            dst = out[b, i0 + ii, h]
+            if m_row == _NEG_INF and l_row == 0.0:
+                for d in range(DV):
+                    dst[d] = 0.0
+            else:
+                for d in range(DV):
+                    dst[d] = acc[d] / l_row
+
+
 @kernel
 def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
           slot_qt, slot_ks, slot_vs, slot_st, slot_mt, slot_o, slot_m, slot_l, slot_alpha, slot_tile_max, slot_kinds,
@@ -133,7 +227,6 @@ def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, soft
     thread slot ``slot``'s scratch. The drivers' unit, called by address: the drivers hold no copy of its code."""
     B, Hq, Nq, DK = q.shape
     Bk, Hkv, Nkv, _ = k.shape
-    DV = out.shape[3]  # v's last axis counts bytes when V is quantized
     group = Hq // Hkv
     b, g, head_block, q_tile = _task_of(position, B, Hkv, -(-group // HEADS_PER_TASK), -(-Nq // Q_TILE))
     h_first = g * group + head_block * HEADS_PER_TASK
@@ -149,26 +242,11 @@ def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, soft
     bm = b % mask.shape[0]
     k_plane = k[bk, g]
     v_plane = v[bk, g]
-    n_cols = n_heads * Q_TILE
     # a tile's weights are summed apart, then added to l: added one by one, every key rounded l at its own
     # magnitude (an output dominated by one key of value ~100 drifted ~5 ulp per 64-key tile)
     t_sum = np.empty(Q_TILE, np.float32)
 
-    for d in range(DK):
-        qt[d, :n_cols] = 0.0  # padding columns of a short last Q tile give finite zero scores
-    for hh in range(n_heads):
-        q_plane = q[b, h_first + hh]
-        for ii in range(nq):
-            src = q_plane[i0 + ii]
-            c = hh * Q_TILE + ii
-            for d in range(DK):
-                qt[d, c] = src[d]
-    for jj in range(mt.shape[0]):
-        mt[jj, nq:] = 0.0  # mask of the padding columns: 0, so their scores stay finite
-    for c in range(n_cols):
-        m[c] = _NEG_INF
-        l[c] = 0.0
-        o[c, :] = 0.0
+    _start_task(q, qt, mt, m, l, o, b, h_first, n_heads, i0, nq)
 
     n_kv_tiles = -(-Nkv // KV_TILE)
     for kv_tile in range(n_kv_tiles):
@@ -210,38 +288,8 @@ def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, soft
                 _copy_mask_block(mask[bm, loaded_plane], i0, nq, j0, nk, mt)
             # Softmax over whole Q_TILE columns (padding columns of a short tile hold finite scores): loops of
             # a compile-time trip count vectorise without a scalar remainder.
-            slope = slopes[h]
             t_max = tile_max[c0:c0 + Q_TILE]
-            t_max[:] = _NEG_INF
-            for jj in range(lo, hi):
-                row = st[jj, c0:c0 + Q_TILE]
-                if softcap != 0.0:
-                    for c in range(Q_TILE):
-                        row[c] = softcap * np.tanh(row[c] * scale / softcap)
-                    if kind != MASK_ADD:
-                        for c in range(Q_TILE):
-                            t_max[c] = max(t_max[c], row[c])
-                if kind == MASK_ADD:
-                    m_row = mt[jj]
-                    # one FMA adds slope·mask to the rounded logit: at logits near 1e4 every extra rounding
-                    # moves the output by about 1e-3
-                    if softcap != 0.0:
-                        for c in range(Q_TILE):
-                            mc = m_row[c]
-                            x = _NEG_INF if mc == _NEG_INF else fma_f32(slope, mc, row[c])  # hidden: K not read
-                            row[c] = x
-                            t_max[c] = max(t_max[c], x)
-                    else:
-                        for c in range(Q_TILE):
-                            mc = m_row[c]
-                            x = _NEG_INF if mc == _NEG_INF else fma_f32(slope, mc, row[c] * scale)
-                            row[c] = x
-                            t_max[c] = max(t_max[c], x)
-                elif softcap == 0.0:
-                    for c in range(Q_TILE):
-                        x = row[c] * scale
-                        row[c] = x
-                        t_max[c] = max(t_max[c], x)
+            _logits(st, mt, t_max, lo, hi, c0, kind == MASK_ADD, slopes[h], scale, softcap)
             m_h = m[c0:c0 + Q_TILE]
             l_h = l[c0:c0 + Q_TILE]
             a_h = alpha[c0:c0 + Q_TILE]
@@ -265,31 +313,7 @@ def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, soft
                 for cb in range(0, dv_pad, BLOCK_COLS):
                     block_values(st_live, vs_live, o, alpha, c0 + rb * BLOCK_ROWS, cb, hi - lo)
 
-    for hh in range(n_heads):
-        h = h_first + hh
-        for ii in range(nq):
-            c = hh * Q_TILE + ii
-            m_row = m[c]
-            l_row = l[c]
-            acc = o[c]
-            if has_sinks:
-                sink = sinks[h]
-                m_all = sink if (sink > m_row or sink != sink) else m_row  # a NaN sink: NaN out
-                if m_all != _NEG_INF:
-                    shrink = fast_exp(m_row - m_all)
-                    for d in range(DV):
-                        acc[d] *= shrink
-                    l_row = l_row * shrink + fast_exp(sink - m_all)
-                m_row = m_all
-            dst = out[b, i0 + ii, h]
-            # every score and the sink masked: zeros, as the reference (a NaN score, skipped by the max, left
-            # l NaN: NaN out)
-            if m_row == _NEG_INF and l_row == 0.0:
-                for d in range(DV):
-                    dst[d] = 0.0
-            else:
-                for d in range(DV):
-                    dst[d] = acc[d] / l_row
+    _finish_task(out, m, l, o, sinks, has_sinks, b, h_first, n_heads, i0, nq)
 
 
 @kernel
