@@ -67,6 +67,104 @@ def load_group_queries(qf, qbase, qhs, qcs, qs):
             qs[g, d] = qf[row + d * qcs]
 
 
+@kernel(inline=True)
+def _block_scores_of_group(qs, k_rows, v_rows, sc, rows, jb, n, terms, scale, softcap, ahead):
+    """Step 2 of ``group_rows`` for the block of rows jb .. jb+n: the group's scores in ``sc``, its heads in
+    register blocks of 4 against pairs of K rows (K read in place; quantized rows widened in registers by the dot
+    products, ``attention.quantized``), added to the mask terms already there unless ``terms`` is False. The
+    first head block's dot products are interleaved with software prefetches of the K and V rows ``ahead`` =
+    (K rows ahead, K lines per row, K elements per line, and the same for V) further on."""
+    G = qs.shape[0]
+    kf, kbase, krs, kcs = k_rows
+    vq, vbase_q, vrs_q, _ = v_rows
+    k_ahead, k_lines, k_step, v_ahead, v_lines, v_step = ahead
+    # g not a literal 0: store_score, compiled once, would compile again for it
+    g = np.int64(0)
+    while g < G:
+        width = 4 if G - g >= 4 else 1
+        n_live = live_rows(sc, g, width, n, not terms, NEG_INF, rows)
+        if width == 4:
+            x = 0
+            while x + 1 < n_live:
+                r1 = rows[x]
+                r2 = rows[x + 1]
+                if g == 0:
+                    # spread over the first head block's dot products (see PREFETCH_K)
+                    prefetch_row(kf, kbase + (jb + k_ahead + r1) * krs, k_lines, k_step)
+                    prefetch_row(kf, kbase + (jb + k_ahead + r2) * krs, k_lines, k_step)
+                    prefetch_row(vq, vbase_q + (jb + v_ahead + r1) * vrs_q, v_lines, v_step)
+                    prefetch_row(vq, vbase_q + (jb + v_ahead + r2) * vrs_q, v_lines, v_step)
+                s0, s1, s2, s3, t0, t1, t2, t3 = dot4x2(qs, g, kf, kbase + (jb + r1) * krs,
+                                                         kbase + (jb + r2) * krs, kcs)
+                store_score(sc, g, r1, s0, scale, softcap, not terms)
+                store_score(sc, g + 1, r1, s1, scale, softcap, not terms)
+                store_score(sc, g + 2, r1, s2, scale, softcap, not terms)
+                store_score(sc, g + 3, r1, s3, scale, softcap, not terms)
+                store_score(sc, g, r2, t0, scale, softcap, not terms)
+                store_score(sc, g + 1, r2, t1, scale, softcap, not terms)
+                store_score(sc, g + 2, r2, t2, scale, softcap, not terms)
+                store_score(sc, g + 3, r2, t3, scale, softcap, not terms)
+                x += 2
+            if x < n_live:
+                r1 = rows[x]
+                s0, s1, s2, s3 = dot4(qs, g, kf, kbase + (jb + r1) * krs, kcs)
+                store_score(sc, g, r1, s0, scale, softcap, not terms)
+                store_score(sc, g + 1, r1, s1, scale, softcap, not terms)
+                store_score(sc, g + 2, r1, s2, scale, softcap, not terms)
+                store_score(sc, g + 3, r1, s3, scale, softcap, not terms)
+        else:
+            for x in range(n_live):
+                r1 = rows[x]
+                if g == 0:
+                    prefetch_row(kf, kbase + (jb + k_ahead + r1) * krs, k_lines, k_step)
+                    prefetch_row(vq, vbase_q + (jb + v_ahead + r1) * vrs_q, v_lines, v_step)
+                store_score(sc, g, r1, dot1(qs, g, kf, kbase + (jb + r1) * krs, kcs), scale, softcap, not terms)
+        g += width
+
+
+@kernel(inline=True)
+def _block_values_of_group(A, sc, rows, n, jb, v_block, DV, unmasked, per_head, per_head_mask):
+    """Step 4 of ``group_rows``: A += p v for the block's rows jb .. jb+n, the group's heads in blocks of 4 (V
+    rows by fours, then pairs, then one) or one by one. ``v_block`` = (vf, vbase, vrs, vcs): the V rows as read
+    (in place, or a quantized block widened for a per-head mask); ``unmasked``: no mask at all; under a per-head
+    mask, rows some head of a block weighs 0 are kept off non-finite V rows (``sanitised_rows``)."""
+    G = A.shape[0] // DV
+    vf, vbase, vrs, vcs = v_block
+    g = np.int64(0)
+    while g < G:
+        width = 4 if G - g >= 4 else 1
+        n_live = live_rows(sc, g, width, n, unmasked, np.float32(0.0), rows)
+        src = vf  # the V rows: vf, or a copy of the block without non-finite rows some head weighs 0
+        sb = vbase + jb * vrs
+        srs = vrs
+        scs = vcs
+        if width == 4 and per_head:
+            src, sb, srs, scs = sanitised_rows(per_head_mask, A, DV, sc, g, rows, n_live, n, vf, sb, vrs, vcs)
+        if width == 4:
+            x = 0
+            while x + 3 < n_live:
+                r1 = rows[x]
+                r2 = rows[x + 1]
+                r3 = rows[x + 2]
+                r4 = rows[x + 3]
+                axpy4x4(A, g * DV, DV, sc, g, r1, r2, r3, r4, src, sb + r1 * srs, sb + r2 * srs,
+                         sb + r3 * srs, sb + r4 * srs, scs)
+                x += 4
+            while x + 1 < n_live:
+                r1 = rows[x]
+                r2 = rows[x + 1]
+                axpy4x2(A, g * DV, DV, sc, g, r1, r2, src, sb + r1 * srs, sb + r2 * srs, scs)
+                x += 2
+            if x < n_live:
+                r1 = rows[x]
+                axpy4(A, g * DV, DV, sc, g, r1, src, sb + r1 * srs, scs)
+        else:
+            for x in range(n_live):
+                r1 = rows[x]
+                axpy1(A, g * DV, DV, sc[g, r1], src, sb + r1 * srs, scs)
+        g += width
+
+
 @kernel
 def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch, streaming):
     """Online softmax of a GQA group's heads over KV rows [j0, j1), updating ``state`` in place.
@@ -78,8 +176,8 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
     (G * DV,) float32. ``scratch`` = (sc (G, ROWS) float32, rows (ROWS,) int64). ``streaming``: the rows are read
     this once (decode), not again for other query rows: float32 K/V then take ``stream_rows``.
     """
-    kq, kbase_q, krs_q, kcs_q = k_rows  # as stored (quantized K/V: bytes, see _attention_quantized)
-    vq, vbase_q, vrs_q, vcs_q = v_rows
+    kq, _, _, kcs_q = k_rows  # as stored (quantized K/V: bytes, see attention.quantized)
+    vq, _, _, vcs_q = v_rows
     mbase, mhs, mcs, Hm, per_head_mask = mask_at
     M, S, A = state
     sc, rows = scratch
@@ -101,6 +199,7 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
     v_lines = -(-v_row // v_step) if vcs_q == 1 else 0
     k_ahead = max(ROWS, PREFETCH_K // (k_row * kq.itemsize))
     v_ahead = max(ROWS, PREFETCH_V // (v_row * vq.itemsize))
+    ahead = (k_ahead, k_lines, k_step, v_ahead, v_lines, v_step)
     # quantized V under a per-head mask: the block's rows widened to float32 (one L1-sized block)
     widened = row_scratch(vq, DV, per_head_mask)
     for jb in range(j0, j1, ROWS):
@@ -112,90 +211,14 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
         # 1. mask terms (the scores start from them; without terms the scores are assigned, not added)
         if terms:
             mask_terms(sc, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb)
-        # K read in place (quantized rows: widened in registers by the dot products, _attention_quantized)
-        kf, kbase, krs, kcs = k_rows
-        # 2. scores, the group's heads in register blocks against pairs of K rows (g not a literal 0: store_score,
-        # compiled once, would compile again for it)
-        g = np.int64(0)
-        while g < G:
-            width = 4 if G - g >= 4 else 1
-            n_live = live_rows(sc, g, width, n, not terms, NEG_INF, rows)
-            if width == 4:
-                x = 0
-                while x + 1 < n_live:
-                    r1 = rows[x]
-                    r2 = rows[x + 1]
-                    if g == 0:
-                        # spread over the first head block's dot products (see PREFETCH_K)
-                        prefetch_row(kq, kbase_q + (jb + k_ahead + r1) * krs_q, k_lines, k_step)
-                        prefetch_row(kq, kbase_q + (jb + k_ahead + r2) * krs_q, k_lines, k_step)
-                        prefetch_row(vq, vbase_q + (jb + v_ahead + r1) * vrs_q, v_lines, v_step)
-                        prefetch_row(vq, vbase_q + (jb + v_ahead + r2) * vrs_q, v_lines, v_step)
-                    s0, s1, s2, s3, t0, t1, t2, t3 = dot4x2(qs, g, kf, kbase + (jb + r1) * krs,
-                                                             kbase + (jb + r2) * krs, kcs)
-                    store_score(sc, g, r1, s0, scale, softcap, not terms)
-                    store_score(sc, g + 1, r1, s1, scale, softcap, not terms)
-                    store_score(sc, g + 2, r1, s2, scale, softcap, not terms)
-                    store_score(sc, g + 3, r1, s3, scale, softcap, not terms)
-                    store_score(sc, g, r2, t0, scale, softcap, not terms)
-                    store_score(sc, g + 1, r2, t1, scale, softcap, not terms)
-                    store_score(sc, g + 2, r2, t2, scale, softcap, not terms)
-                    store_score(sc, g + 3, r2, t3, scale, softcap, not terms)
-                    x += 2
-                if x < n_live:
-                    r1 = rows[x]
-                    s0, s1, s2, s3 = dot4(qs, g, kf, kbase + (jb + r1) * krs, kcs)
-                    store_score(sc, g, r1, s0, scale, softcap, not terms)
-                    store_score(sc, g + 1, r1, s1, scale, softcap, not terms)
-                    store_score(sc, g + 2, r1, s2, scale, softcap, not terms)
-                    store_score(sc, g + 3, r1, s3, scale, softcap, not terms)
-            else:
-                for x in range(n_live):
-                    r1 = rows[x]
-                    if g == 0:
-                        prefetch_row(kq, kbase_q + (jb + k_ahead + r1) * krs_q, k_lines, k_step)
-                        prefetch_row(vq, vbase_q + (jb + v_ahead + r1) * vrs_q, v_lines, v_step)
-                    store_score(sc, g, r1, dot1(qs, g, kf, kbase + (jb + r1) * krs, kcs), scale, softcap, not terms)
-            g += width
+        # 2. scores, the group's heads in register blocks against pairs of K rows
+        _block_scores_of_group(qs, k_rows, v_rows, sc, rows, jb, n, terms, scale, softcap, ahead)
         # 3. per head: rescale to the new max, turn scores into weights
         block_weights(sc, n, M, S, A)
         # V read in place, or quantized rows some head weighs widened for a per-head mask (_attention_quantized)
         vf, vbase, vrs, vcs = v_block_rows(v_rows, DV, jb, sc, n, mf is None, rows, widened, per_head_mask)
         # 4. A += p v, same head blocks, V rows by fours then pairs
-        g = np.int64(0)
-        while g < G:
-            width = 4 if G - g >= 4 else 1
-            n_live = live_rows(sc, g, width, n, mf is None, np.float32(0.0), rows)
-            src = vf  # the V rows: vf, or a copy of the block without non-finite rows some head weighs 0
-            sb = vbase + jb * vrs
-            srs = vrs
-            scs = vcs
-            if width == 4 and per_head:
-                src, sb, srs, scs = sanitised_rows(per_head_mask, A, DV, sc, g, rows, n_live, n, vf, sb, vrs, vcs)
-            if width == 4:
-                x = 0
-                while x + 3 < n_live:
-                    r1 = rows[x]
-                    r2 = rows[x + 1]
-                    r3 = rows[x + 2]
-                    r4 = rows[x + 3]
-                    axpy4x4(A, g * DV, DV, sc, g, r1, r2, r3, r4, src, sb + r1 * srs, sb + r2 * srs,
-                             sb + r3 * srs, sb + r4 * srs, scs)
-                    x += 4
-                while x + 1 < n_live:
-                    r1 = rows[x]
-                    r2 = rows[x + 1]
-                    axpy4x2(A, g * DV, DV, sc, g, r1, r2, src, sb + r1 * srs, sb + r2 * srs, scs)
-                    x += 2
-                if x < n_live:
-                    r1 = rows[x]
-                    axpy4(A, g * DV, DV, sc, g, r1, src, sb + r1 * srs, scs)
-            else:
-                for x in range(n_live):
-                    r1 = rows[x]
-                    axpy1(A, g * DV, DV, sc[g, r1], src, sb + r1 * srs, scs)
-            g += width
-
+        _block_values_of_group(A, sc, rows, n, jb, (vf, vbase, vrs, vcs), DV, mf is None, per_head, per_head_mask)
 
 
 _F32_ROW = types.Array(types.float32, 1, "C")
