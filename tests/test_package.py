@@ -17,6 +17,8 @@ SOURCES = sorted(p for p in PACKAGE.rglob("*.py"))
 #: Each top-level part of the package and its layer: a module imports only from lower layers or its own part.
 LAYERS = {"_core": 0, "quant": 1, "norm": 2, "rows": 2, "rope": 2, "attention": 2, "reference": 3,
           "testing": 4, "integrations": 5, "jobs": 5, "__main__": 6, "__init__": 6}
+#: The longest function a reader is asked to hold.
+MAX_FUNCTION_LINES = 100
 #: The decorators that compile a kernel; only ``_core/kernel.py`` may call Numba's own.
 NUMBA_DECORATORS = {"njit", "jit", "generated_jit", "vectorize", "guvectorize", "cfunc"}
 
@@ -79,6 +81,18 @@ def test_no_module_imports_another_modules_private_names():
             if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("fastattn")):
                 wrong += [f"{_where(path, node.lineno)}: imports {alias.name}" for alias in node.names
                           if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_function_is_longer_than_a_reader_can_hold():
+    """At most MAX_FUNCTION_LINES lines per function (its docstring included), kernels and the rest alike."""
+    wrong = []
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    wrong.append(f"{_where(path, node.lineno)}: {node.name} has {length} lines")
     assert not wrong, "\n".join(wrong)
 
 
