@@ -31,8 +31,7 @@ from ._core.validate import FLOAT16 as _FLOAT16
 from ._core.validate import FLOAT32 as _FLOAT32
 
 __all__ = ["RuleCheck", "UlpCheck", "max_abs_error", "abs_errors", "ulp_distance", "within_rule",
-           "assert_within_rule", "within_half_1ulp", "assert_half_within_1ulp", "routes", "general_only",
-           "forget_routes", "parallel_min_bytes"]
+           "assert_within_rule", "within_half_1ulp", "assert_half_within_1ulp", "parallel_min_bytes"]
 
 
 class RuleCheck(NamedTuple):
@@ -255,35 +254,7 @@ def assert_half_within_1ulp(actual: np.ndarray, reference64: ArrayLike, what: st
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Hooks for testing fastattn's own routes (``fastattn/_core/dispatch.py``); they load Numba when called.
-def routes() -> dict:
-    """Every route by name (``_core.dispatch.Route``: an entry kernel that takes one class of calls without Numba's
-    dispatcher). ``route.taken`` counts the calls an op's general path handed to it."""
-    from ._core import dispatch as _dispatch
-    from .attention import api as attention
-    from .norm import api as norm
-    from .rope import api as rope
-    from .rows import api as rows  # noqa: F401  (each op module registers its routes)
-
-    return dict(_dispatch.ROUTES)
-
-
-def general_only():
-    """``with general_only():`` every call takes its op's general path and general drivers, never a route: the
-    results a route must reproduce byte for byte."""
-    from ._core import dispatch as _dispatch
-
-    return _dispatch.general_only()
-
-
-def forget_routes() -> None:
-    """Forget every route's compiled entry points, as a new process would (a first call then runs on the entry
-    its general path compiles or loads from Numba's cache)."""
-    from ._core import dispatch as _dispatch
-
-    _dispatch.forget_routes()
-
-
+# Knobs for tests; they load Numba when called.
 def parallel_min_bytes(nbytes: int):
     """``with parallel_min_bytes(0):`` ops run their parallel kernels from ``nbytes`` moved, on every thread of
     the count (the parallel code on small test shapes; no measured choice). Process-wide: not while other

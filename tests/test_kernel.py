@@ -117,9 +117,8 @@ expected = dst.copy()
 src = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
 reference.set_rows(expected, src, np.array([1, 5]))
 assert expected.any()
-for _ in range(2):  # the general path, then the route it made
-    fastattn.set_rows(dst, src, np.array([1, 5]))
-    assert np.array_equal(dst.view(np.int16), expected.view(np.int16))
+fastattn.set_rows(dst, src, np.array([1, 5]))
+assert np.array_equal(dst.view(np.int16), expected.view(np.int16))
 try:
     fastattn.set_rows(dst.astype(np.float64), src, np.array([1, 5]))
 except TypeError as error:

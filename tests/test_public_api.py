@@ -74,8 +74,8 @@ SCALARS = {  # every value used below is exact in float32
 
 
 def _attention(ops, value, name):
-    """A decode call without mask for ``scale`` (the fast side's route must hand a 0-d array to the parser), a
-    prefill call with an ALiBi-scaled mask for max_bias and logit_softcap."""
+    """A decode call without mask for ``scale``, a prefill call with an ALiBi-scaled mask for max_bias and
+    logit_softcap."""
     rng = np.random.default_rng(1)
     k = rng.standard_normal((1, 2, 9, 32), np.float32)
     if name == "scale":

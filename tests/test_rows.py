@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import fastattn
 import fastattn.reference as ref
 from fastattn._core import threads as _threads
-from fastattn._core.kernel import KERNEL_OPTIONS
+from fastattn._core.kernel import HALF_VIEW, KERNEL_OPTIONS
 from fastattn._core.validate import FLOAT16, FLOAT32, INDEX_INTS
 from strategies import STORAGE_FLOATS
 from strategies import dims, fill, float_dtypes, index_sets, seeds, strided, thread_counts
@@ -181,7 +181,9 @@ def test_contiguous_float32_to_float16_rows_vectorise():
     compiled for any-layout arrays with adjacent rows as the general path calls it)."""
     from numba import types
 
-    from fastattn._core.dispatch import array_type
+    def array_type(dtype, ndim):
+        return types.Array(numba.from_dtype(HALF_VIEW.get(dtype, dtype)), ndim, "A")
+
     set_rows_module = sys.modules[fastattn.set_rows.__module__]
     uncached = numba.njit(**dict(KERNEL_OPTIONS, cache=False))(set_rows_module._set_rows_serial.py_func)
     signature = (array_type(FLOAT16, 3), array_type(FLOAT32, 3), array_type(INDEX_INTS[1], 2), types.boolean)
@@ -190,24 +192,7 @@ def test_contiguous_float32_to_float16_rows_vectorise():
     assert re.search(EIGHT_WIDE_TO_FLOAT16, asm), "the float32 -> float16 row copy did not vectorise"
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Calls after the route ``set_rows.rows`` holds its entry points (tests/test_routes.py tests every route in depth).
-_rows_module = sys.modules[fastattn.set_rows.__module__]
-
-
-def _give_the_route_entries(dst_dtype=FLOAT32, src_dtype=FLOAT32):
-    for idx_dtype in INDEX_INTS:
-        fastattn.set_rows(np.zeros((4, 8), dst_dtype), np.zeros((1, 8), src_dtype), np.zeros(1, idx_dtype))
-
-
-@pytest.mark.parametrize("what, bad_call, error, message", _bad_calls(), ids=[c[0] for c in _bad_calls()])
-def test_bad_inputs_after_the_route_holds_entries(what, bad_call, error, message):
-    _give_the_route_entries()
-    test_bad_inputs_raise_naming_the_argument_and_write_nothing(fastattn, what, bad_call, error, message)
-
-
 def test_read_only_and_unaligned_caches():
-    _give_the_route_entries(FLOAT16)
     dst = np.zeros((4, 8), np.float16)
     dst.flags.writeable = False
     with pytest.raises(ValueError, match="dst must be writeable"):
@@ -218,12 +203,3 @@ def test_read_only_and_unaligned_caches():
     assert unaligned[2].tolist() == [1.0] * 8 and not unaligned[[0, 1, 3]].any()
 
 
-def test_fast_kernel_vectorises():
-    """The decode path's rows, retyped contiguous, convert 8-wide (uncached copy, any-layout types)."""
-    from numba import types
-
-    from fastattn._core.dispatch import array_type
-    uncached = numba.njit(**dict(KERNEL_OPTIONS, cache=False))(_rows_module._set_rows_fast.py_func)
-    signature = (array_type(FLOAT16, 2), array_type(FLOAT32, 2), array_type(INDEX_INTS[1], 1), types.int64)
-    uncached.compile(signature)
-    assert re.search(EIGHT_WIDE_TO_FLOAT16, uncached.inspect_asm(signature)), "the row conversion did not vectorise"

@@ -214,10 +214,7 @@ def test_long_calls_always_run_on_all_threads(measured_rule, monkeypatch):
     assert _timed_calls(8, {1: 0.0001, 2: 0.002}) == [2] * 8
 
 
-def test_cancelled_or_failed_launches_are_not_counted(measured_rule):
-    for _ in range(3):
-        with _threads.team("test_op", 1 << 22, 2) as launch:
-            launch.cancel()
+def test_failed_launches_are_not_counted(measured_rule):
     with pytest.raises(RuntimeError):
         with _threads.team("test_op", 1 << 22, 2):
             raise RuntimeError("kernel failed")

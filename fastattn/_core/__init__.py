@@ -1,5 +1,5 @@
 """The machinery every op shares: the kernel decorator and conversions (``kernel``), SIMD helpers
 (``simd``), threads (``threads``), argument checks (``validate``), torch tensors (``tensors``), compile
-notices and helpers (``notices``, ``helper_compile``), routes (``dispatch``), leading-axis layouts
-(``layout``) and the source-keyed kernel cache (``source_cache``). Nothing here imports an op package.
+notices (``notices``), leading-axis layouts (``layout``) and the source-keyed kernel cache
+(``source_cache``). Nothing here imports an op package.
 """

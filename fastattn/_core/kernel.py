@@ -34,7 +34,6 @@ from . import source_cache as _source_cache
 _source_cache.install()  # before any kernel below is decorated: its cache is keyed on the package's sources
 
 from . import notices as _notices  # noqa: F401  (installs the compile notices: one stderr line per first-use compile)
-from . import helper_compile as _helper_compile
 from . import validate as _validate
 from .simd import KERNEL_DTYPES, prefetch_line, widen
 
@@ -298,7 +297,7 @@ def assume_contiguous(typingctx, row):
 
 @intrinsic
 def any_layout(typingctx, a):
-    """Retype array ``a`` as any layout ('A'), writeable, as the routes' parameters are (``_core.dispatch.array_type``)
+    """Retype array ``a`` as any layout ('A'), writeable, as ``call_any_layout`` types a driver's arrays
     (same data model, nothing copied): a kernel that hands a C-contiguous block (a reshaped cache) to a driver
     also called with strided arrays then shares its compiled code instead of compiling a C variant of it."""
     if not isinstance(a, types.Array):
@@ -373,9 +372,7 @@ _any_layout_entries: dict = {}
 
 
 def call_any_layout(dispatcher, strided, *args, unit=None):
-    """Call ``dispatcher`` with the arrays at positions ``strided`` typed as any layout ('A') and writeable, as
-    the routes' parameters are (``_core.dispatch.array_type``), so that a route and a general path share what they
-    compile.
+    """Call ``dispatcher`` with the arrays at positions ``strided`` typed as any layout ('A') and writeable.
 
     Numba would otherwise compile one specialisation (seconds each) per combination of contiguous and strided
     inputs; kernels that read their inputs through strides need only one per dtype combination. The other
@@ -407,15 +404,12 @@ def call_any_layout(dispatcher, strided, *args, unit=None):
             unit_kernel, shared, extra = unit
             unit_types = tuple(signature[i] for i in shared) + tuple(extra)
             signature = (HANDLE_TYPE,) + signature
-            (handle,) = compile_beside(dispatcher, signature, lambda: (unit_address(unit_kernel, unit_types),),
-                                       unit_cold(unit_kernel, unit_types))
-        else:
-            dispatcher.compile(signature)
+            handle = unit_address(unit_kernel, unit_types)
+        dispatcher.compile(signature)
         cached = _any_layout_entries[key] = (dispatcher.overloads[signature].entry_point, handle)
     entry, handle = cached
     if handle is None:
         return entry(*args)
-    settle_units()  # a driver may take other handles too (group_rows'): filled before it runs
     result = entry(handle, *args)
     check_unit(handle)
     return result
@@ -453,27 +447,18 @@ def _signature_tag(arg_types) -> int:
 _unit_addresses: dict = {}
 
 
-def unit_address(dispatcher, arg_types: tuple, helper: bool = False) -> np.ndarray:
+def unit_address(dispatcher, arg_types: tuple) -> np.ndarray:
     """``[address, tag, mismatch flag]`` (int64) of ``dispatcher`` compiled (or loaded from Numba's cache) for
-    ``arg_types``, for a driver to hand to ``call_unit``. Computed once per (kernel, signature).
-
-    ``helper``: the caller compiles more after this unit (another unit and the drivers), so a unit missing from
-    the cache may be compiled by a helper process meanwhile (``_core.helper_compile``); its handle is then filled by
-    ``settle_units``, which ``call_any_layout`` and the routes call before running anything. Until then its tag
-    matches no call: ``call_unit`` runs nothing and ``check_unit`` raises."""
+    ``arg_types``, for a driver to hand to ``call_unit``. Computed once per (kernel, signature)."""
     key = (dispatcher, arg_types)
     handle = _unit_addresses.get(key)
     if handle is None:
-        handle = np.array([0, _NOT_READY, 0], np.int64)
-        if not (helper and _helper_compile.defer(dispatcher, arg_types,
-                                                 lambda: _fill_handle(dispatcher, arg_types, handle))):
-            _fill_handle(dispatcher, arg_types, handle)
+        handle = np.zeros(3, np.int64)
+        _fill_handle(dispatcher, arg_types, handle)
         _unit_addresses[key] = handle
     return handle
 
 
-#: A handle's tag until its unit is compiled: ``_signature_tag`` is never negative.
-_NOT_READY = -1
 #: The Numba type of a handle.
 HANDLE_TYPE = types.Array(types.int64, 1, "C")
 
@@ -487,31 +472,6 @@ def _fill_handle(dispatcher, arg_types: tuple, handle: np.ndarray) -> None:
                         f"{result.signature.return_type}")
     handle[0] = result.library.get_pointer_to_function(result.fndesc.llvm_func_name)
     handle[1] = _signature_tag(arg_types)
-
-
-def settle_units() -> None:
-    """Wait for the helper processes compiling kernels (``_core.helper_compile``) and fill the handles of the units
-    among them. Every caller of ``unit_address(..., helper=True)`` calls it before running anything."""
-    if _helper_compile.pending():
-        _helper_compile.settle()
-
-
-def unit_cold(dispatcher, arg_types: tuple) -> bool:
-    """Whether a unit's first use here compiles it: not compiled or loaded in this process, not in the cache."""
-    return (dispatcher, arg_types) not in _unit_addresses and _helper_compile.in_cache(dispatcher, arg_types) is False
-
-
-def compile_beside(dispatcher, arg_types: tuple, make_units, units_cold: bool = True) -> tuple:
-    """Run ``make_units()`` (which makes the handles of work units with ``unit_address`` and returns them), then
-    compile ``dispatcher`` for ``arg_types`` (a driver or entry kernel taking those handles), and return the
-    handles. When the units compile here (``units_cold``), a helper process compiles ``dispatcher`` meanwhile
-    (``_core.helper_compile``), and this process then loads it from the cache."""
-    if units_cold:
-        _helper_compile.defer(dispatcher, arg_types)
-    handles = make_units()
-    settle_units()
-    dispatcher.compile(arg_types)
-    return handles
 
 
 def check_unit(handle: np.ndarray) -> None:

@@ -239,11 +239,8 @@ class Team:
         self._start = time.perf_counter()
         return self
 
-    def cancel(self) -> None:
-        self._site = None
-
     def __exit__(self, kind, value, traceback) -> None:
-        if self._site is not None and kind is None:
+        if kind is None:
             self._site.record(self._choice, time.perf_counter() - self._start)
 
 
@@ -260,9 +257,6 @@ class FixedTeam:
     def __enter__(self) -> "FixedTeam":
         return self
 
-    def cancel(self) -> None:
-        pass
-
     def __exit__(self, kind, value, traceback) -> None:
         pass
 
@@ -276,7 +270,7 @@ def team(op: str, nbytes: int, n: int) -> Launch:
     """``with team("op", nbytes, n) as launch:`` run the op's ``prange`` kernel on ``launch.n`` threads when it
     is above 1, else its serial kernel: ``n`` (``threads_for``'s count) or 1, the call site's faster choice so
     far; Numba's count is set to it when it is above 1 (``launch_on``). The block's wall time is recorded for the
-    call site, unless it raises or calls ``launch.cancel()`` (a route that declined the call)."""
+    call site, unless it raises."""
     if n <= 1:
         return _ONE
     if _rule != "measured" or _forced:

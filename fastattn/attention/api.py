@@ -15,27 +15,19 @@ computes the ALiBi slopes, allocates ``out`` when needed, and hands everything t
 
 ``auto`` follows ggml, except that decode keeps one_chunk on one thread and while its KV heads keep the threads
 evenly busy (see ``choose_path`` and docs/attention.md for why).
-
-Decode calls that run one_chunk without mask, sinks, ALiBi or softcap take the route ``attention.decode``
-(``_core.dispatch``): ``attention.one_chunk.decode_fast``, checks in the kernel.
 """
 from __future__ import annotations
 
 import functools
 
-import numba
 import numpy as np
-from numba import types
 
 from .._core import threads as _threads
 from . import args as _args
-from .layout import no_sinks
-from .group import group_rows_handle, stream_rows_handle
-from .one_chunk import STREAM_UNIT, UNIT, decode_fast, run_one_chunk, splits_decode
+from .one_chunk import run_one_chunk
 from .split_kv import run_split_kv
 from .tiled import Q_TILE, run_tiled
-from .._core.dispatch import Route, array_type
-from .._core.kernel import HALF_VIEW, FLOAT16, FLOAT32, kernel_view, unit_address
+from .._core.kernel import FLOAT16, FLOAT32, kernel_view
 from ..quant.blocks import Quantized
 from ..quant.api import bytes_view
 
@@ -45,8 +37,6 @@ SPLIT_KV_MIN_NKV = 512
 #: at least this many per thread: with 2, 4 or 8 KV heads on 2 threads, and on one thread, one_chunk ran faster
 #: than split_kv side by side (docs/attention.md, "`auto`").
 ONE_CHUNK_MIN_UNITS_PER_THREAD = 4
-_ND = np.ndarray
-_F64 = np.float64  # 1 / np.sqrt(DK): a scale the fast path takes as it is
 
 
 def choose_path(B: int, Nq: int, Hkv: int, Nkv: int, k_dtype, v_dtype, n_threads: int = 1) -> str:
@@ -57,8 +47,9 @@ def choose_path(B: int, Nq: int, Hkv: int, Nkv: int, k_dtype, v_dtype, n_threads
     a multiple of the thread count, and fewer than ONE_CHUNK_MIN_UNITS_PER_THREAD per thread); tiled when Nq
     reaches the tiled path's Q tile; one_chunk otherwise.
     """
-    if splits_decode(B, Nq, Hkv, Nkv, _split_storage(k_dtype, v_dtype), n_threads, SPLIT_KV_MIN_NKV,
-                     ONE_CHUNK_MIN_UNITS_PER_THREAD):
+    units = B * Hkv  # one_chunk's decode units: one per (batch, KV head)
+    if (Nq == 1 and B == 1 and Nkv >= SPLIT_KV_MIN_NKV and n_threads > 1 and units % n_threads != 0
+            and units < ONE_CHUNK_MIN_UNITS_PER_THREAD * n_threads and _split_storage(k_dtype, v_dtype)):
         return "split_kv"
     if Nq >= Q_TILE:
         return "tiled"
@@ -116,26 +107,6 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     input may be a strided view; ``out`` (float32, any strides, not overlapping an input) is written in full. Rows
     with every score masked give zeros.
     """
-    if (mask is None and sinks is None and (scale.__class__ is float or scale.__class__ is _F64 or scale is None)
-            and max_bias.__class__ is float
-            and logit_softcap.__class__ is float and max_bias == 0.0 and logit_softcap == 0.0
-            and path.__class__ is str and (path == "auto" or path == "one_chunk") and q.__class__ is _ND
-            and k.__class__ is _ND and v.__class__ is _ND and q.ndim == 4 and k.ndim == 4 and v.ndim == 4
-            and q.dtype is FLOAT32 and (out is None or (out.__class__ is _ND and out.ndim == 4
-                                                        and out.dtype is FLOAT32 and out.flags.writeable))):
-        entry = _decode_route.get((k.dtype, v.dtype))  # the route (see _dispatch)
-        if entry is not None and q.shape[2] == 1:  # decode only: no wasted out for a prefill call
-            Hq = q.shape[1]
-            if scale is None:  # the parser's default; an empty head (DK 0) is declined by the entry, then refused
-                scale = _args.default_scale(q.shape[3]) if q.shape[3] else 1.0
-            result = np.empty((q.shape[0], 1, Hq, v.shape[3]), FLOAT32) if out is None else out
-            n_threads = _threads.get_num_threads()
-            with _decode_team(q, k, v, n_threads) as launch:
-                if entry(q, k, v, result, _slopes(Hq, 0.0), no_sinks(Hq), scale,
-                         path == "auto" and _split_storage(k.dtype, v.dtype), SPLIT_KV_MIN_NKV,
-                         ONE_CHUNK_MIN_UNITS_PER_THREAD, _threads.PARALLEL_MIN_BYTES, n_threads, launch.n):
-                    return result
-                launch.cancel()
     a = _args.parse(q, k, v, mask, scale, max_bias, logit_softcap, sinks, path, out, out_dtypes=(FLOAT32,))
     B, Hq, Nq, _ = q.shape
     Nkv = k.shape[2]
@@ -147,48 +118,6 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
         raise ValueError(f"path 'split_kv' is for decode: q must have Nq = 1 query row, got q.shape {q.shape}")
     result = np.empty(a.out_shape, FLOAT32) if out is None else out
     slopes = _slopes(Hq, a.max_bias)
-    if (name == "one_chunk" and Nq == 1 and mask is None and sinks is None and a.max_bias == 0.0
-            and a.logit_softcap == 0.0 and k.__class__ is _ND and v.__class__ is _ND):
-        n_threads = _threads.get_num_threads()
-        with _decode_team(q, k, v, n_threads) as launch:
-            if _decode_route.run((k.dtype, v.dtype), q, k, v, result, slopes, no_sinks(Hq), a.scale, False,
-                                 SPLIT_KV_MIN_NKV, ONE_CHUNK_MIN_UNITS_PER_THREAD, _threads.PARALLEL_MIN_BYTES,
-                                 n_threads, launch.n):
-                return result
-            launch.cancel()
     _runner(name)(q, _kv_kernel_view(k), _kv_kernel_view(v), None if a.mask is None else kernel_view(a.mask), slopes,
                   a.sinks, a.scale, a.logit_softcap, result)
     return result
-
-
-def _decode_team(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_threads: int) -> _threads.Launch:
-    """The measured team of a decode route call (``_core.threads.team``): K/V bytes as ``decode_fast`` counts them."""
-    nbytes = q.shape[0] * k.shape[1] * k.shape[2] * (k.shape[3] * k.itemsize + v.shape[3] * v.itemsize)
-    return _threads.team("decode", nbytes, n_threads if nbytes >= _threads.PARALLEL_MIN_BYTES else 1)
-
-
-def _route_types(k_dtype, v_dtype) -> tuple:
-    vector = array_type(FLOAT32, 1)
-    return (array_type(FLOAT32, 4), array_type(k_dtype, 4), array_type(v_dtype, 4), array_type(FLOAT32, 4), vector,
-            vector, types.float64, types.boolean, types.int64, types.int64, types.int64, types.int64, types.int64)
-
-
-def _route_unit(k_dtype, v_dtype) -> tuple:
-    """The handles ``decode_fast`` takes: one_chunk's unit (float32 K/V: its streaming variant) for the argument
-    types ``decode_fast`` passes it (no mask, contiguous slopes and sinks, no per-head mask), and ``group_rows``'
-    (float32 K/V: ``stream_rows``', which the streaming unit calls)."""
-    a4 = array_type(FLOAT32, 4)
-    c1 = types.Array(types.float32, 1, "C")
-    streaming = k_dtype == FLOAT32 and v_dtype == FLOAT32
-    rows = stream_rows_handle() if streaming else group_rows_handle(HALF_VIEW.get(k_dtype, k_dtype),
-                                                       HALF_VIEW.get(v_dtype, v_dtype), None, None)
-    unit = unit_address(STREAM_UNIT if streaming else UNIT[0],
-                        (a4, array_type(k_dtype, 4), array_type(v_dtype, 4), types.none, c1, c1, types.float32,
-                         types.float32, a4, types.Array(types.int64, 4, "C"), types.none, numba.typeof(rows),
-                         types.int64))
-    return unit, rows
-
-
-#: Decode calls on one_chunk without mask, sinks, ALiBi or softcap, keyed on (k, v) dtypes (read-only K/V fit it
-#: too: only the static typing differs; bfloat16 travels as its int16 view, float16 as uint16).
-_decode_route = Route("attention.decode", decode_fast, _route_types, _route_unit)

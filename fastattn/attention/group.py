@@ -47,7 +47,7 @@ from .nonfinite import sanitised_rows
 from .quantized import row_elements, row_scratch, v_block_rows
 from .rows import ROWS, axpy1, axpy4, axpy4x2, axpy4x4, dot1, dot4, dot4x2, prefetch_row
 from .softmax import NEG_INF, block_mask, block_weights, live_rows, mask_terms, store_score
-from .stream import stream_if_float32, stream_rows
+from .stream import stream_if_float32
 from .._core.kernel import kernel, unit_address
 
 #: Software prefetch distances: K rows this many bytes ahead of the rows being scored, V rows this many (at
@@ -251,16 +251,5 @@ def group_rows_handle(k_dtype: np.dtype, v_dtype: np.dtype, mask_dtype: np.dtype
     handle = _handles.get(key)
     if handle is None:
         arg_types = _rows_types(k_dtype, v_dtype, mask_dtype, per_head) + (types.boolean,)
-        # its callers compile a unit and drivers next: a helper process may compile group_rows meanwhile
-        handle = _handles[key] = unit_address(group_rows, arg_types, helper=True)
-    return handle
-
-
-def stream_rows_handle() -> np.ndarray:
-    """``stream_rows``' address for the arguments the float32 decode route's unit passes it (float32 K/V, no
-    mask), which calls it by address for the same reason as ``group_rows_handle``."""
-    handle = _handles.get("stream")
-    if handle is None:
-        f32 = np.dtype(np.float32)
-        handle = _handles["stream"] = unit_address(stream_rows, _rows_types(f32, f32, None, None))
+        handle = _handles[key] = unit_address(group_rows, arg_types)
     return handle

@@ -19,15 +19,11 @@ import numpy as np
 from numba import prange, types
 
 from .._core import threads as _threads
-from .args import MAX_HEADS  # more heads read as a token-major call: declined, the parser raises
 from .group import group_rows_handle, load_group_queries
 from .layout import element_strides, flat4, flat_mask, live_range, no_sinks, spans_of
 from .rows import ROWS
 from .softmax import finalize
-from .._core.dispatch import aligned, meta, overlaps, unit_rows
-from .._core.kernel import (argument_positions, assume_contiguous, call_any_layout, call_unit, check_unit, fetch_add,
-                             kernel, use_threads, work_unit)
-from .._core.validate import FLOAT32_MAX  # the largest |scale|: the fast path declines the rest, the general path raises
+from .._core.kernel import argument_positions, call_any_layout, call_unit, check_unit, fetch_add, kernel, work_unit
 
 #: Query rows per work unit: enough units to balance two threads at small Nq, few enough to amortise the scratch.
 ROW_CHUNK = 4
@@ -88,24 +84,6 @@ def _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, ro
     _unit_rows(_by_address, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u)
 
 
-@kernel(inline=True)
-def _streamed(handle, args):
-    qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch, streaming = args
-    call_unit(handle, (qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch))
-
-
-@kernel
-def _stream_unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u):
-    """``_unit`` for the decode route on float32 K/V (one query row): ``stream_rows`` alone, as ``group_rows``
-    runs it for such a row, without compiling ``group_rows``' own float32 loops; ``rows`` is ``stream_rows``'
-    handle (``attention.group.stream_rows_handle``)."""
-    _unit_rows(_streamed, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u)
-
-
-#: The decode route's unit on float32 K/V (``attention._route_unit``).
-STREAM_UNIT = _stream_unit
-
-
 @kernel
 def _serial(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows):
     n_units = q.shape[0] * k.shape[1] * ((q.shape[2] + ROW_CHUNK - 1) // ROW_CHUNK)
@@ -157,55 +135,3 @@ def run_one_chunk(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
         else:
             call_any_layout(_serial, STRIDED, *args, unit=UNIT)
     check_unit(rows)
-
-
-@kernel
-def splits_decode(B, Nq, Hkv, Nkv, same_storage, n_threads, min_nkv, min_units_per_thread):
-    """``auto``'s decode rule (``attention.choose_path``): split_kv for one query row of one batch, K and V of
-    one storage type (float32 or float16), at least ``min_nkv`` rows, on several threads among which one_chunk's
-    (batch, KV head) units would not share evenly: not a multiple of the thread count and fewer than
-    ``min_units_per_thread`` per thread."""
-    units = B * Hkv
-    return (Nq == 1 and B == 1 and same_storage and Nkv >= min_nkv and n_threads > 1 and units % n_threads != 0
-            and units < min_units_per_thread * n_threads)
-
-
-@kernel
-def decode_fast(unit, rows, q, k, v, out, slopes, sinks, scale, auto_splittable, min_nkv, min_units_per_thread,
-                min_bytes, n_threads, launch_threads):
-    """The decode fast path of ``flash_attn_ext`` (``_core.dispatch``): one_chunk on q (B, Hq, 1, DK) float32 and
-    k/v kernel views, no mask, softcap or ALiBi, slopes all ones and sinks -inf (Hq,). Returns False, having
-    written nothing, unless the shapes are valid (no empty axis, DK matching, v like k, Hkv | Hq, Bk | B, out
-    (B, 1, Hq, DV), at most MAX_HEADS query heads), ``auto`` would take one_chunk (``auto_splittable``: auto and
-    K, V of one split_kv storage type), scale is within float32's range, every array is aligned to its element
-    size and out overlaps none of q, k, v. ``n_threads``: the thread count ``auto``'s rule sees;
-    ``launch_threads``: the threads to run on (``_core.threads.team``'s choice) when at least ``min_bytes`` of K/V
-    are read."""
-    B, Hq, Nq, DK = q.shape
-    Bk, Hkv, Nkv, DKk = k.shape
-    DV = v.shape[3]
-    if (Nq != 1 or B < 1 or Hq < 1 or Hq > MAX_HEADS or DK < 1 or Bk < 1 or Hkv < 1 or Nkv < 1 or DV < 1
-            or DKk != DK or v.shape[0] != Bk or v.shape[1] != Hkv or v.shape[2] != Nkv or Hq % Hkv != 0
-            or B % Bk != 0 or out.shape != (B, 1, Hq, DV) or slopes.shape[0] != Hq or sinks.shape[0] != Hq
-            or not abs(scale) <= FLOAT32_MAX):
-        return False
-    # same_storage: the variable (True here), not a literal True, which would compile splits_decode once more
-    if auto_splittable and splits_decode(B, Nq, Hkv, Nkv, auto_splittable, n_threads, min_nkv, min_units_per_thread):
-        return False
-    mq, mk, mv, mo = meta(q), meta(k), meta(v), meta(out)
-    if not (aligned(mq) and aligned(mk) and aligned(mv) and aligned(mo) and unit_rows(meta(slopes))
-            and unit_rows(meta(sinks))):
-        return False
-    if overlaps(mo, mq) or overlaps(mo, mk) or overlaps(mo, mv):
-        return False
-    slopes_c = assume_contiguous(slopes)
-    sinks_c = assume_contiguous(sinks)
-    nbytes = B * Hkv * Nkv * (DK * k.itemsize + DV * v.itemsize)
-    if launch_threads > 1 and nbytes >= min_bytes:
-        use_threads(launch_threads)
-        _parallel(unit, q, k, v, None, slopes_c, sinks_c, np.float32(scale), np.float32(0.0), out,
-                  np.zeros((1, 1, 1, 2), np.int64), None, rows, np.zeros(1, np.int64), launch_threads)
-    else:
-        _serial(unit, q, k, v, None, slopes_c, sinks_c, np.float32(scale), np.float32(0.0), out,
-                np.zeros((1, 1, 1, 2), np.int64), None, rows)
-    return True

@@ -16,7 +16,7 @@ What transformers passes, and what becomes of it:
   shorter than Nkv). Boolean masks (True takes part, as SDPA's) and additive masks from another builder (eager's
   finite minimum) are taken too; a mask with more columns than Nkv is cut to Nkv. A one-row mask (batch 1) that
   lets through one run of keys (a decode step over a static cache's filled rows, or a sliding window) is not
-  read at all: the call gets K/V rows of that run alone and no mask, the decode route of ``flash_attn_ext`` (the
+  read at all: the call gets K/V rows of that run alone and no mask, ``flash_attn_ext``'s unmasked decode (the
   builder hands such a mask on as SDPA's boolean one, unconverted: once per generated token it is not worth
   the conversion).
 - None with ``Nq > 1`` on a causal module: causal with torch's ``is_causal`` alignment (key j is hidden from

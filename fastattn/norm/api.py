@@ -22,25 +22,18 @@ same row, LLVM's runtime overlap check would send it down its scalar version.
 
 Threads: below ``PARALLEL_MIN_BYTES`` moved a call runs ``*_serial`` on the calling thread; above, ``*_parallel``
 spreads rows over threads with ``prange`` (rows are independent, so in-place use is safe).
-
-Decode-sized calls (``rms_norm`` and ``rms_norm_mul`` on 2-D ``x`` with a (D,) weight) take the route
-``norm.rows`` (``_core.dispatch``): ``_norm_fast``'s entry point, with the checks in the kernel.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import prange, types
+from numba import prange
 
 from .._core import layout as _layout
 from .._core import threads as _threads
 from . import args as _args
-from .._core.dispatch import Route, array_type, meta, overlaps, same_view, unit_rows
-from .._core.kernel import (adjacent_rows, argument_positions, assume_contiguous, call_any_layout, from_f32, kernel,
-                            kernel_view, rows_if, to_f32)
+from .._core.kernel import (adjacent_rows, argument_positions, call_any_layout, from_f32, kernel, kernel_view, rows_if,
+                            to_f32)
 from .._core.validate import FLOAT32_MAX
-
-_ND = np.ndarray
-_MAX_EPS = float(np.finfo(np.float64).max)
 
 
 @kernel
@@ -99,7 +92,7 @@ def _norm_vec(xr, wr, yr, eps):
 def _norm_row(x, w, out, eps, r, adjacent):
     """``out[r] = x[r] / sqrt(mean(x[r]**2) + eps) * w[r % W]`` (no weight when ``w`` is None). ``adjacent``
     True: every row's elements are adjacent, and the rows go to ``_norm_vec`` typed contiguous (its loops
-    vectorise; the route's calls share that compiled code); None: as they are."""
+    vectorise); None: as they are."""
     if w is None:
         _norm_vec(rows_if(x[r], adjacent), None, rows_if(out[r], adjacent), eps)
     else:
@@ -150,47 +143,6 @@ _NORM_ARRAYS = argument_positions(_norm_serial, "x", "w", "out")
 _ADD_NORM_ARRAYS = argument_positions(_add_norm_serial, "x", "residual", "w", "s", "out")
 
 
-@kernel
-def _norm_fast(x, w, out, eps, max_bytes):
-    """The entry kernel of route ``norm.rows`` (``_core.dispatch``): ``rms_norm`` (``w`` None) and ``rms_norm_mul``
-    (``w`` 1-D) on x and out (rows, D). Returns False, having written nothing, unless out has x's shape, w has D
-    elements, eps is finite and >= 0, out is x or overlaps neither x nor w, fewer than ``max_bytes`` move and
-    every operand has aligned unit-stride rows."""
-    if out.shape != x.shape or not (0.0 <= eps <= _MAX_EPS) or 2 * x.size * x.itemsize >= max_bytes:
-        return False
-    mx, mo = meta(x), meta(out)
-    if not (unit_rows(mx) and unit_rows(mo)) or (overlaps(mo, mx) and not same_view(mo, mx)):
-        return False
-    if w is None:
-        for r in range(x.shape[0]):
-            _norm_vec(assume_contiguous(x[r]), None, assume_contiguous(out[r]), eps)
-        return True
-    mw = meta(w)
-    if w.shape[0] != x.shape[1] or not unit_rows(mw) or overlaps(mo, mw):
-        return False
-    wr = assume_contiguous(w)
-    for r in range(x.shape[0]):
-        _norm_vec(assume_contiguous(x[r]), wr, assume_contiguous(out[r]), eps)
-    return True
-
-
-def _route_types(x_dtype, w_dtype, out_dtype) -> tuple:
-    w_type = types.none if w_dtype is None else array_type(w_dtype, 1)
-    return array_type(x_dtype, 2), w_type, array_type(out_dtype, 2), types.float64, types.int64
-
-
-#: Decode-sized ``rms_norm`` / ``rms_norm_mul`` on 2-D x with a (D,) weight, keyed on (x, w or None, out) dtypes.
-_rows_route = Route("norm.rows", _norm_fast, _route_types)
-
-
-def _run_route(x: np.ndarray, w: np.ndarray | None, out: np.ndarray, eps: float) -> bool:
-    """The general path's hand-over to ``_rows_route`` of a parsed call it fits (2-D x, a 1-D weight or none)."""
-    if x.ndim != 2 or (w is not None and w.ndim != 1) or 2 * x.nbytes >= _threads.PARALLEL_MIN_BYTES:
-        return False
-    key = (x.dtype, None if w is None else w.dtype, out.dtype)
-    return _rows_route.run(key, x, w, out, eps, _threads.PARALLEL_MIN_BYTES)
-
-
 def _blocks(full: list[np.ndarray], w: np.ndarray | None) -> list[_layout.Block]:
     """Kernel views of the operands, the leading axes merged into one (``_core.layout.merge_leading``)."""
     full = [kernel_view(a) for a in full]
@@ -204,18 +156,9 @@ def rms_norm(x: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.nda
     x: (..., D) float32, float16 or bfloat16, any strides. out: like ``x`` (may be ``x`` itself, for in place).
     Returns ``out``, in ``x``'s dtype.
     """
-    if x.__class__ is _ND and eps.__class__ is float and x.ndim == 2:  # the route (see _dispatch)
-        if out is None or (out.__class__ is _ND and out.ndim == 2 and out.flags.writeable):
-            entry = _rows_route.get((x.dtype, None, x.dtype if out is None else out.dtype))
-            if entry is not None:
-                y = np.empty(x.shape, x.dtype) if out is None else out
-                if entry(x, None, y, eps, _threads.PARALLEL_MIN_BYTES):
-                    return y
     x, eps, out = _args.rms_norm(x, eps, out)
     if out is None:
         out = np.empty(x.shape, x.dtype)
-    if _run_route(x, None, out, eps):
-        return out
     _norm_rows("rms_norm", x, None, out, eps)
     return out
 
@@ -227,18 +170,9 @@ def rms_norm_mul(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | Non
     ``x``'s shape (each axis length divides ``x``'s; a (D,) weight is the common case). out: like ``x`` (may be
     ``x``; may not overlap ``w``). Returns ``out``, in ``x``'s dtype.
     """
-    if x.__class__ is _ND and w.__class__ is _ND and eps.__class__ is float and x.ndim == 2 and w.ndim == 1:
-        if out is None or (out.__class__ is _ND and out.ndim == 2 and out.flags.writeable):  # the route
-            entry = _rows_route.get((x.dtype, w.dtype, x.dtype if out is None else out.dtype))  # (_dispatch)
-            if entry is not None:
-                y = np.empty(x.shape, x.dtype) if out is None else out
-                if entry(x, w, y, eps, _threads.PARALLEL_MIN_BYTES):
-                    return y
     x, w, eps, out = _args.rms_norm_mul(x, w, eps, out)
     if out is None:
         out = np.empty(x.shape, x.dtype)
-    if _run_route(x, w, out, eps):
-        return out
     _norm_rows("rms_norm_mul", x, w, out, eps)
     return out
 

@@ -328,15 +328,6 @@ def _blocks_of_contiguous_row(x, out, code):
             _q4_0_block_vector(x, blk * BLOCK, out, blk * 18)
 
 
-@kernel(fastmath=EXACT)
-def blocks_fill(n_values, n_bytes, code):
-    """``n_values`` values quantized as type ``code`` fill exactly ``n_bytes`` (whole blocks; False for an
-    unknown code). For entry kernels that check a row before ``quantize_row``."""
-    if code != Q8_0 and code != Q4_0:
-        return False
-    return n_values % BLOCK == 0 and n_bytes == n_values // BLOCK * (Q8_0_BYTES if code == Q8_0 else Q4_0_BYTES)
-
-
 @kernel(llvm_inline=True, fastmath=EXACT)
 def _quantize_any_row(x, out, code):
     """``quantize_row`` on rows typed any layout: compiled once per element type of x and shared by every kernel

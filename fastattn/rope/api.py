@@ -18,11 +18,6 @@ Layout: ``x`` (..., N, H, D) with any strides (Q = ``qkv[:, :H*D].reshape(N, H, 
 output, a no-copy view) is read through its strides; leading axes are merged without a copy when NumPy can,
 otherwise looped over. float16 travels as uint16 bits (``_core.kernel.kernel_view``). Work runs serially below
 ``_core.threads.PARALLEL_MIN_BYTES`` and on ``prange`` threads above it.
-
-Each public function is a guard, a route (``rope.routes``: ``rope.cached`` for a decode-sized call with a
-table, ``rope.fused`` for a prefill at one stream of int32 positions, each with its set-rows variant, and
-``rope.cached_prefill`` for a prefill with a table) and a general path that parses once and hands the parsed call
-to a route when one takes it (``_core.dispatch``).
 """
 from __future__ import annotations
 
@@ -40,22 +35,16 @@ from .quantized import FUSED_UNIT as FUSED_QUANTIZED_UNIT
 from .quantized import UNIT as QUANTIZED_UNIT
 from .quantized import rope_quantize_fused, rope_quantize_parallel, rope_quantize_serial
 from .rotate import token_layout
-from .routes import CACHED, CACHED_PREFILL, CACHED_QUANTIZED, FUSED
 from .._core.validate import STORAGE_FLOATS
 
 __all__ = ["RopeCache", "rope_cache", "apply_rope_cache", "rope_ext", "rope_set_rows", "apply_rope_cache_set_rows"]
 
-_ND = np.ndarray
-_INT32 = np.dtype(np.int32)
-#: ``drive_fused``'s array arguments typed as any layout (x, out, idx, pos and the table's arrays), as the route
-#: ``rope.fused`` types them, so that the route and these calls share one compiled ``_fused_tasks``; the drivers'
-#: other calls mark theirs the same way for the same reason.
+#: ``drive_fused``'s array arguments typed as any layout (x, out, idx, pos and the table's arrays): one compiled
+#: ``_fused_tasks`` for contiguous and strided calls; the other drivers' calls mark theirs the same way.
 _FUSED_ARRAYS = argument_positions(drive_fused, "x", "out", "idx", "pos", "streams", "w", "step_cos", "step_sin")
 #: The cached drivers' arrays typed any layout: x, out and the cos/sin table, and idx when there is one.
 _CACHED_ARRAYS = argument_positions(drive_serial, "x", "out", "cs")
 _CACHED_INDEXED_ARRAYS = argument_positions(drive_serial, "x", "out", "idx", "cs")
-_INT64 = np.dtype(np.int64)
-_UINT8 = np.dtype(np.uint8)
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,17 +109,8 @@ def _as_4d(a: np.ndarray) -> np.ndarray | None:
 
 
 def _rotate(x: np.ndarray, out: np.ndarray, cs: np.ndarray, pairing: tuple) -> None:
-    """out = the rotation of x (..., N, H, D) by the table cs (out may be x): the route ``rope.cached`` when it
-    takes the call, else the drivers (leading axes that do not merge: one call per leading index, no copy)."""
-    if x.ndim == 3:
-        if 2 * x.nbytes < _threads.PARALLEL_MIN_BYTES:
-            if CACHED.run((x.dtype, x.dtype, 3, None), x, out, None, cs, pairing, _threads.PARALLEL_MIN_BYTES):
-                return
-        else:
-            with _team("apply_rope_cache", 2 * x.nbytes) as launch:
-                if CACHED_PREFILL.run((x.dtype,), x, out, cs, pairing, _threads.PARALLEL_MIN_BYTES, launch.n):
-                    return
-                launch.cancel()
+    """out = the rotation of x (..., N, H, D) by the table cs (out may be x) (leading axes that do not merge: one
+    call per leading index, no copy)."""
     x4, out4 = _as_4d(x), _as_4d(out)
     if x4 is None or out4 is None:
         for index in np.ndindex(*x.shape[:-4]):
@@ -211,10 +191,6 @@ def _write_quantized(dst: Quantized, data3: np.ndarray, x: np.ndarray, idx: np.n
     code = QTYPE_CODES[dst.qtype]
     if cs is None and n_threads == 1:  # on threads the tasks make their own rows (rope_quantize_fused)
         cs = build_cs(streams, params)
-    if (n_threads == 1 and idx.ndim == 1 and nbytes < _threads.PARALLEL_MIN_BYTES
-            and CACHED_QUANTIZED.run((x.dtype, dst.ndim, idx.dtype), x, dst.data, idx, cs, params.pairing, code,
-                                     _threads.PARALLEL_MIN_BYTES)):
-        return
     xk = kernel_view(x)
     layout = token_layout(xk, np.empty((1, x.shape[1], x.shape[2]), np.float32))  # into a C scratch
     with _threads.team("rope_set_rows_quantized", nbytes, n_threads) as launch:
@@ -235,19 +211,6 @@ def _write_quantized(dst: Quantized, data3: np.ndarray, x: np.ndarray, idx: np.n
                             unit=QUANTIZED_UNIT)
 
 
-def _team(op: str, nbytes: int) -> _threads.Launch:
-    """The measured team of a route whose ``prange`` driver takes its thread count (see ``_core.threads.team``); the
-    route declines calls below ``PARALLEL_MIN_BYTES`` itself (the caller then cancels)."""
-    return _threads.team(op, nbytes, _threads.get_num_threads() if nbytes >= _threads.PARALLEL_MIN_BYTES else 1)
-
-
-def _fused_fits(x: np.ndarray, pos: np.ndarray, params: _args.RopeParams) -> bool:
-    """A parsed call the route ``rope.fused`` may take: 3-D x of one token or more, one stream of int32 positions
-    (NORMAL or NEOX: the other modes' sections need four)."""
-    return (x.ndim == 3 and x.shape[0] > 0 and pos.ndim == 1 and pos.dtype == _INT32
-            and params.n_streams == 1)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Public API.
 def apply_rope_cache(x: np.ndarray, cache: RopeCache, *, out: np.ndarray | None = None) -> np.ndarray:
@@ -257,22 +220,6 @@ def apply_rope_cache(x: np.ndarray, cache: RopeCache, *, out: np.ndarray | None 
     or an array of ``x``'s shape and dtype, possibly strided. Returns the array written."""
     if cache.__class__ is not RopeCache:
         raise _args.cache_error(cache, "fastattn.rope_cache")
-    if x.__class__ is _ND and x.ndim == 3 and (out is None or (out.__class__ is _ND and out.ndim == 3
-                                                           and out.dtype is x.dtype and out.flags.writeable)):
-        if 2 * x.nbytes < _threads.PARALLEL_MIN_BYTES:  # the routes (see _dispatch)
-            entry = CACHED.get((x.dtype, x.dtype, 3, None))
-            if entry is not None:
-                y = np.empty(x.shape, x.dtype) if out is None else out
-                if entry(x, y, None, cache.cs, cache.pairing, _threads.PARALLEL_MIN_BYTES):
-                    return y
-        else:
-            entry = CACHED_PREFILL.get((x.dtype,))
-            if entry is not None:
-                y = np.empty(x.shape, x.dtype) if out is None else out
-                with _team("apply_rope_cache", 2 * x.nbytes) as launch:
-                    if entry(x, y, cache.cs, cache.pairing, _threads.PARALLEL_MIN_BYTES, launch.n):
-                        return y
-                    launch.cancel()
     _args.parse_x(x)
     cache.params.check_head_dim("x", x.shape[-1])
     if x.shape[-3] != cache.n_tokens:
@@ -294,21 +241,6 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
     constant. freq_factors: (n_pairs,) divisors of theta (llama3 scaling). sections: 4 ints for the
     multi-position modes. backward: the inverse rotation. out: None, ``x`` (in place) or an array like ``x``.
     Returns the rotated array, ``x``'s dtype."""
-    if (sections is None and x.__class__ is _ND and pos.__class__ is _ND and x.ndim == 3 and pos.ndim == 1
-            and pos.dtype is _INT32 and x.shape[0] > 0 and (out is None or (
-                out.__class__ is _ND and out.ndim == 3 and out.dtype is x.dtype and out.flags.writeable))):
-        entry = FUSED.get((x.dtype, x.dtype, 3, None))  # the route (see _dispatch)
-        params = None if entry is None or _overlaps_factors(out, freq_factors) else _args.known_params(
-            n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
-            freq_factors, sections, backward)
-        # the plan's table has n_dims entries: made only for parameters that fit this head (else the general
-        # path's error, without building a table as large as a hostile n_dims)
-        if params is not None and params.n_dims <= x.shape[2]:
-            y = np.empty(x.shape, x.dtype) if out is None else out
-            with _team("rope_ext", 2 * x.nbytes) as launch:
-                if entry(x, y, None, pos, params.plan, _threads.PARALLEL_MIN_BYTES, launch.n):
-                    return y
-                launch.cancel()
     params = _params(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast,
                      beta_slow, freq_factors, sections, backward)
     _args.parse_x(x)
@@ -317,12 +249,6 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
     out = _args.parse_out(out, x, dtypes=(x.dtype,), reads=(("pos", pos), ("freq_factors", freq_factors)))
     y = np.empty(x.shape, x.dtype) if out is None else out
     nbytes = 2 * x.nbytes
-    if _fused_fits(x, pos, params):
-        with _team("rope_ext", nbytes) as launch:
-            if FUSED.run((x.dtype, x.dtype, 3, None), x, y, None, pos, params.plan, _threads.PARALLEL_MIN_BYTES,
-                         launch.n):
-                return y
-            launch.cancel()
     if nbytes >= _threads.PARALLEL_MIN_BYTES and x.shape[-3] >= 2 * CACHE_BLOCK:
         n_threads = _threads.threads_for(nbytes)
         x4, y4 = _as_4d(x), _as_4d(y)
@@ -340,24 +266,6 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
     return y
 
 
-def _overlaps_factors(out: np.ndarray | None, freq_factors) -> bool:
-    """``out`` shares memory with ``freq_factors``: the route reads its copy in the parameters' plan, so such a
-    call is left to the general path, which refuses it."""
-    return out is not None and freq_factors is not None and np.may_share_memory(out, freq_factors)
-
-
-def _fused_rows(dst: np.ndarray, x: np.ndarray) -> np.ndarray | None:
-    """The (R, H, D) rows of a cache ``dst`` for K rows ``x`` (N, H, D), as the fused route takes them: ``dst``
-    itself, or a view of an (R, H·D) one. The route is compiled for 3-D caches and int64 indices only (its
-    callers convert, a copy of N indices), not once per cache shape and index type. None when ``dst`` has no
-    such view (the general path then says what is wrong)."""
-    if dst.ndim == 3:
-        return dst
-    if dst.ndim == 2 and dst.shape[1] == x.shape[1] * x.shape[2] and dst.flags.c_contiguous:
-        return dst.reshape(dst.shape[0], x.shape[1], x.shape[2])
-    return None
-
-
 def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarray, *, n_dims: int, mode: int,
                   freq_base: float = 10000.0, freq_scale: float = 1.0, n_ctx_orig: int = 0,
                   ext_factor: float = 0.0, attn_factor: float = 1.0, beta_fast: float = 32.0,
@@ -369,23 +277,6 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
     logical shape (Q8_0 / Q4_0, D a multiple of 32: each head row quantized as ``set_rows`` does). x: (N, H, D)
     float32 or float16, any strides. idx: int32/int64 (N,) rows of ``dst``, each in [0, R) (else ValueError,
     nothing written); duplicates: the last wins. Returns ``dst``."""
-    if (sections is None and dst.__class__ is _ND and x.__class__ is _ND and pos.__class__ is _ND
-            and idx.__class__ is _ND and x.ndim == 3 and pos.ndim == 1 and pos.dtype is _INT32 and idx.ndim == 1
-            and x.shape[0] > 0 and dst.flags.writeable):
-        entry = FUSED.get((x.dtype, dst.dtype, 3, _INT64))  # the route (see _dispatch)
-        rows = None if entry is None else _fused_rows(dst, x)
-        # int32 indices are copied: the entry could no longer see them overlap dst, so that case is left to the
-        # general path, which refuses it, as it refuses every other index dtype
-        idx64 = (idx if idx.dtype is _INT64 else idx.astype(_INT64)
-                 if idx.dtype is _INT32 and not np.may_share_memory(idx, dst) else None)
-        params = None if rows is None or idx64 is None or _overlaps_factors(dst, freq_factors) else _args.known_params(
-            n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
-            freq_factors, sections, backward)
-        if params is not None and params.n_dims <= x.shape[2]:  # as in rope_ext
-            with _team("rope_set_rows", x.size * (x.itemsize + dst.itemsize)) as launch:
-                if entry(x, rows, idx64, pos, params.plan, _threads.PARALLEL_MIN_BYTES, launch.n):
-                    return dst
-                launch.cancel()
     params = _params(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast,
                      beta_slow, freq_factors, sections, backward)
     dst3, idx = _args.parse_set_rows(dst, x, idx, params, dst_dtypes=STORAGE_FLOATS,
@@ -395,18 +286,6 @@ def rope_set_rows(dst: np.ndarray, x: np.ndarray, pos: np.ndarray, idx: np.ndarr
         return dst
     if dst.__class__ is Quantized:
         _write_quantized(dst, dst3, x, idx, params, streams=streams)
-        return dst
-    if _fused_fits(x, pos, params):
-        with _team("rope_set_rows", x.size * (x.itemsize + dst.itemsize)) as launch:
-            if FUSED.run((x.dtype, dst.dtype, 3, _INT64), x, dst3, idx.astype(_INT64, copy=False), pos, params.plan,
-                         _threads.PARALLEL_MIN_BYTES, launch.n):
-                return dst
-            launch.cancel()
-    if x.size * (x.itemsize + dst.itemsize) < _threads.PARALLEL_MIN_BYTES:
-        cs = build_cs(streams, params)
-        if not CACHED.run((x.dtype, dst.dtype, dst.ndim, idx.dtype), x, dst, idx, cs, params.pairing,
-                          _threads.PARALLEL_MIN_BYTES):
-            _write_rows(dst3, x, idx, params, cs=cs)
         return dst
     _write_rows(dst3, x, idx, params, pos=streams)
     return dst
@@ -418,20 +297,6 @@ def apply_rope_cache_set_rows(dst: np.ndarray, x: np.ndarray, cache: RopeCache, 
     ``Quantized``). Returns ``dst``."""
     if cache.__class__ is not RopeCache:
         raise _args.cache_error(cache, "fastattn.rope_cache")
-    if x.__class__ is _ND and idx.__class__ is _ND and x.ndim == 3 and idx.ndim == 1:  # the routes (see _dispatch)
-        if dst.__class__ is _ND:
-            if dst.flags.writeable and (dst.ndim == 2 or dst.ndim == 3):
-                entry = CACHED.get((x.dtype, dst.dtype, dst.ndim, idx.dtype))
-                if entry is not None and entry(x, dst, idx, cache.cs, cache.pairing, _threads.PARALLEL_MIN_BYTES):
-                    return dst
-        elif dst.__class__ is Quantized:
-            data, code = dst.data, QTYPE_CODES.get(dst.qtype)  # both checked again: the attributes can be reassigned
-            if (data.__class__ is _ND and data.dtype is _UINT8 and (data.ndim == 2 or data.ndim == 3)
-                    and data.flags.writeable):
-                entry = CACHED_QUANTIZED.get((x.dtype, data.ndim, idx.dtype))
-                if entry is not None and code is not None and entry(x, data, idx, cache.cs, cache.pairing, code,
-                                                                    _threads.PARALLEL_MIN_BYTES):
-                    return dst
     dst3, idx = _args.parse_set_rows(dst, x, idx, cache.params, dst_dtypes=STORAGE_FLOATS,
                                      reads=(("cache", cache.cs),))
     if x.shape[0] != cache.n_tokens:
@@ -440,8 +305,6 @@ def apply_rope_cache_set_rows(dst: np.ndarray, x: np.ndarray, cache: RopeCache, 
         if x.shape[0]:
             _write_quantized(dst, dst3, x, idx, cache.params, cs=cache.cs)
         return dst
-    small = x.size * (x.itemsize + dst.itemsize) < _threads.PARALLEL_MIN_BYTES
-    if x.shape[0] and not (small and CACHED.run((x.dtype, dst.dtype, dst.ndim, idx.dtype), x, dst, idx, cache.cs,
-                                                cache.pairing, _threads.PARALLEL_MIN_BYTES)):
+    if x.shape[0]:
         _write_rows(dst3, x, idx, cache.params, cs=cache.cs)
     return dst

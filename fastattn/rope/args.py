@@ -60,7 +60,6 @@ class RopeParams:
         elif self.n_dims > head_dim:
             raise ValueError(f"n_dims must be <= {name}'s last axis (head dim {head_dim}), got {self.n_dims}")
 
-
     @property
     def interleaved(self) -> bool:
         """NORMAL pairs adjacent dims (2p, 2p+1); every other mode pairs p with p + n_pairs."""
@@ -79,12 +78,6 @@ class RopeParams:
         return _rope_pairs.pair_table(self.n_dims, self.mode, self.freq_base, self.freq_scale, self.n_ctx_orig,
                                       self.ext_factor, self.attn_factor, self.beta_fast, self.beta_slow,
                                       self.freq_factors, self.sections, self.backward)
-
-    @functools.cached_property
-    def plan(self) -> tuple:
-        """The fused RoPE route's arguments that come from the parameters: the table, the pairing and n_dims."""
-        t = self.table
-        return (t.streams, t.w, t.step_cos, t.step_sin, t.cos_scale, t.sin_scale, self.interleaved, self.n_dims)
 
 
 #: Every parameter set parsed so far (at most _PARSED_MAX), by ``_key``: a decode step parses the same
@@ -114,62 +107,19 @@ def _key(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_facto
         return None
 
 
-#: The scalar arguments (the objects passed) and the parameters of the last lookup that found them: a decode step
-#: passes the same objects for every layer, and comparing them by identity costs a fraction of making the key.
-_last: tuple = ((None,) * 10, None)
-
-
-def _remembered(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
-                freq_factors, sections, backward) -> RopeParams | None:
-    """The parameters of the last lookup when these are the very objects it was given, else None. Identity, not
-    equality: 128 and 128.0 (or 1 and True) are equal but not the same argument; arrays and sequences
-    (freq_factors, sections) can change between calls, so calls with them always take the key."""
-    seen, params = _last
-    if (freq_factors is None and sections is None and n_dims is seen[0] and mode is seen[1]
-            and freq_base is seen[2] and freq_scale is seen[3] and n_ctx_orig is seen[4] and ext_factor is seen[5]
-            and attn_factor is seen[6] and beta_fast is seen[7] and beta_slow is seen[8] and backward is seen[9]):
-        return params
-    return None
-
-
-def _remember(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
-              freq_factors, sections, backward, params: RopeParams) -> None:
-    global _last
-    if freq_factors is None and sections is None:
-        _last = ((n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
-                  backward), params)
-
-
-def known_params(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
-                 freq_factors, sections, backward) -> RopeParams | None:
-    """The parsed parameters of an argument set parsed before, or None (no checks: the guards' lookup)."""
-    args = (n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
-            freq_factors, sections, backward)
-    params = _remembered(*args)
-    if params is not None:
-        return params
-    key = _key(*args)
-    params = None if key is None else _PARSED.get(key)
-    if params is not None:
-        _remember(*args, params)
-    return params
-
-
 def parse_params(*, n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast,
                  beta_slow, freq_factors, sections, backward) -> RopeParams:
     """Validate the scalar parameters (and freq_factors, sections) of one RoPE; remembered by value."""
     args = (n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
             freq_factors, sections, backward)
-    params = known_params(*args)
-    if params is not None:
-        return params
-    params = _parse_params(*args)
     key = _key(*args)
-    if key is not None:
-        if len(_PARSED) >= _PARSED_MAX:
-            _PARSED.clear()
-        _PARSED[key] = params
-        _remember(*args, params)
+    params = None if key is None else _PARSED.get(key)
+    if params is None:
+        params = _parse_params(*args)
+        if key is not None:
+            if len(_PARSED) >= _PARSED_MAX:
+                _PARSED.clear()
+            _PARSED[key] = params
     return params
 
 

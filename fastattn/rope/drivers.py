@@ -12,7 +12,7 @@ once per dtype combination.
 - ``drive_parallel``: the same on ``n_threads`` threads, which take tasks of TOKENS_PER_TASK tokens from a shared
   counter (``_core.kernel.fetch_add``), so a thread slowed down by another process runs fewer of them. Each thread
   runs ``_cached_tasks``, called by address (``_core.kernel.call_unit``: compiled once, not again inside every
-  driver and route that launches it).
+  driver that launches it).
 - ``drive_fused``: cos/sin made in the same pass: a task is one CACHE_BLOCK of tokens, whose rows go to the
   thread's scratch (the very values ``rope_cache`` stores: same blocks, same code) and are used at once.
 
@@ -103,7 +103,7 @@ TOKENS_PER_TASK = 8
 @kernel(fastmath=ROTATION_FASTMATH)
 def drive_serial(x, out, idx, keep, cs, n_pairs, interleaved, in_place, layout):
     """``_step`` on every token of x (B, N, H, D) with its row of cs (N, 2·n_pairs) float32 (cos then sin; rows
-    of adjacent elements, typed so: the routes hand ``rope_block`` their rows the same way)."""
+    of adjacent elements, typed so)."""
     for n in range(x.shape[1]):
         _step(x, out, idx, keep, n, assume_contiguous(cs[n]), n_pairs, interleaved, in_place, layout)
 

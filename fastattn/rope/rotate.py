@@ -253,15 +253,3 @@ def rope_block(src, dst, cache_row, n_pairs, interleaved, in_place, layout, ahea
     if done < n_pairs or (2 * n_pairs < src.shape[1] and not in_place):
         for h in range(src.shape[0]):
             _rotate_rest(src[h], dst[h], cos, sin, done, n_pairs, interleaved, in_place)
-
-
-@kernel(inline=True, fastmath=ROTATION_FASTMATH)
-def token_layout_of(mx, mo, head_dim):
-    """``token_layout`` of two (N, H, D) arrays from their ``meta`` (its last axes are the arrays')."""
-    (_, _, strides_x, item_x), (_, _, strides_o, item_o) = mx, mo
-    last = len(strides_x) - 1
-    if strides_x[last] != item_x or strides_o[last] != item_o:
-        return ROWS_STRIDED
-    if strides_x[last - 1] == head_dim * item_x and strides_o[last - 1] == head_dim * item_o:
-        return TOKEN_BLOCK
-    return ROWS_UNIT

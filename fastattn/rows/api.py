@@ -14,27 +14,19 @@ rows in order. All writes to one destination row therefore happen on one worker 
 duplicate indices the last row wins, as in ggml. The hash is Fibonacci hashing of the destination row: the
 fractional part of ``row * golden ratio`` spreads any arithmetic progression of slots (consecutive, every other
 one, ...) evenly over the workers. Each worker scans all ``n`` indices, which is cheap next to the row copies.
-
-Decode-sized calls (2-D ``dst``, 1-D ``idx``) take the route ``set_rows.rows`` (``_core.dispatch``): ``_set_rows_fast``'s
-entry point, with the checks in the kernel; it declines a bad index, which the general path then reports. Into a
-2-D ``Quantized`` dst they take ``set_rows.quantized`` (``_set_quantized_fast``, on its bytes) the same way.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import prange, types
+from numba import prange
 
 from .._core import layout as _layout
 from .._core import threads as _threads
 from . import args as _args
-from .._core.dispatch import Route, array_type, rows_writable
-from .._core.kernel import (EXACT, adjacent_rows, argument_positions, assume_contiguous, call_any_layout, from_f32,
-                           kernel, kernel_view, rows_if, to_f32)
+from .._core.kernel import (EXACT, adjacent_rows, argument_positions, call_any_layout, from_f32, kernel, kernel_view,
+                           rows_if, to_f32)
 from ..quant.blocks import QTYPE_CODES, Quantized
-from ..quant.api import blocks_fill, quantize_row
-
-_ND = np.ndarray
-_UINT8 = np.dtype(np.uint8)
+from ..quant.api import quantize_row
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio
 
@@ -64,8 +56,7 @@ def _owner(row, n_workers):
 
 
 # The drivers take any-layout arrays and ``adjacent`` (``_core.kernel.adjacent_rows``): at most two compiled drivers
-# per dtype combination; with adjacent elements the rows are retyped contiguous and the conversion vectorises
-# (the route's calls share that compiled ``_copy_row``).
+# per dtype combination; with adjacent elements the rows are retyped contiguous and the conversion vectorises.
 @kernel
 def _set_rows_serial(dst, src, idx, adjacent):
     bad = _first_bad(idx, dst.shape[1])
@@ -91,20 +82,6 @@ def _set_rows_parallel(dst, src, idx, adjacent, n_workers):
                 if _owner(b * n_rows + rows[i], n_workers) == t:
                     _copy_row(rows_if(src[b, i], adjacent), rows_if(dst[b, rows[i]], adjacent))
     return -1
-
-
-@kernel
-def _set_rows_fast(dst, src, idx, max_bytes):
-    """The entry kernel of route ``set_rows.rows`` (``_core.dispatch``): dst (R, D), src (n, D), idx (n,). Returns
-    False, having written nothing, unless the shapes match, fewer than ``max_bytes`` move, dst and src have
-    aligned unit-stride rows, idx is aligned, dst overlaps neither src nor idx and every index is in [0, R)."""
-    n, d = src.shape
-    if (idx.shape[0] != n or dst.shape[1] != d or n * d * (src.itemsize + dst.itemsize) >= max_bytes
-            or not rows_writable(dst, src, idx)):
-        return False
-    for i in range(n):  # rows retyped contiguous: the conversion vectorises
-        _copy_row(assume_contiguous(src[i]), assume_contiguous(dst[idx[i]]))
-    return True
 
 
 @kernel(fastmath=EXACT)
@@ -136,37 +113,10 @@ def _set_quantized_parallel(data, src, idx, code, n_workers):
     return -1
 
 
-@kernel(fastmath=EXACT)
-def _set_quantized_fast(data, src, idx, code, max_bytes):
-    """The entry kernel of route ``set_rows.quantized`` (``_core.dispatch``): data (R, row bytes) the blocks of a
-    quantized dst of type ``code``, src (n, D), idx (n,). Returns False, having written nothing, unless D values
-    fill a data row, the shapes match, fewer than ``max_bytes`` move, data and src have aligned unit-stride rows,
-    idx is aligned, data overlaps neither src nor idx and every index is in [0, R). Rows in order: the last of
-    duplicate indices wins."""
-    n, d = src.shape
-    if (idx.shape[0] != n or not blocks_fill(d, data.shape[1], code) or n * d * (src.itemsize + 1) >= max_bytes
-            or not rows_writable(data, src, idx)):
-        return False
-    for i in range(n):
-        quantize_row(assume_contiguous(src[i]), data[idx[i]], code)
-    return True
-
-
-def _quantized_route_types(src_dtype, idx_dtype) -> tuple:
-    return array_type(_UINT8, 2), array_type(src_dtype, 2), array_type(idx_dtype, 1), types.int64, types.int64
-
-
-#: Decode-sized calls into a quantized dst of 2 axes (its bytes (R, row bytes)), keyed on (src, idx) dtypes.
-_quantized_route = Route("set_rows.quantized", _set_quantized_fast, _quantized_route_types)
-
-
 def _set_rows_quantized(dst: Quantized, src: np.ndarray, idx: np.ndarray) -> Quantized:
     n_rows = dst.shape[-2]
     n_workers = _threads.threads_for(src.size * (src.itemsize + 1))
     code = QTYPE_CODES[dst.qtype]
-    if (dst.ndim == 2 and idx.ndim == 1 and n_workers == 1
-            and _quantized_route.run((src.dtype, idx.dtype), dst.data, src, idx, code, _threads.PARALLEL_MIN_BYTES)):
-        return dst
     blocks = _layout.merge_leading([dst.data, kernel_view(src)], [idx[(None,) * (src.ndim - 1 - idx.ndim)]],
                                    src.ndim - 2)
     if len(blocks) > 1:  # checked up front: the per-block kernel checks would come after earlier blocks' writes
@@ -198,14 +148,6 @@ def _write_blocks(blocks, idx: np.ndarray, n_rows: int, write) -> None:
             raise _args.index_error(idx, n_rows, tuple(int(i) for i in np.unravel_index(bad, idx.shape)))
 
 
-def _route_types(dst_dtype, src_dtype, idx_dtype) -> tuple:
-    return array_type(dst_dtype, 2), array_type(src_dtype, 2), array_type(idx_dtype, 1), types.int64
-
-
-#: Decode-sized calls on a 2-D dst and 1-D idx, keyed on (dst, src, idx) dtypes.
-_rows_route = Route("set_rows.rows", _set_rows_fast, _route_types)
-
-
 def set_rows(dst: np.ndarray, src: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """Write row ``i`` of ``src`` into row ``idx[i]`` of ``dst``, converted to ``dst``'s dtype; returns ``dst``.
 
@@ -215,25 +157,9 @@ def set_rows(dst: np.ndarray, src: np.ndarray, idx: np.ndarray) -> np.ndarray:
     An index outside [0, R) raises ``ValueError`` and nothing is written. Nothing of ``dst`` but the indexed
     rows changes.
     """
-    if src.__class__ is _ND and idx.__class__ is _ND and src.ndim == 2 and idx.ndim == 1:  # the routes (_dispatch)
-        if dst.__class__ is _ND:
-            if dst.ndim == 2 and dst.flags.writeable:
-                entry = _rows_route.get((dst.dtype, src.dtype, idx.dtype))
-                if entry is not None and entry(dst, src, idx, _threads.PARALLEL_MIN_BYTES):
-                    return dst
-        elif dst.__class__ is Quantized:
-            data, code = dst.data, QTYPE_CODES.get(dst.qtype)  # both checked again: the attributes can be reassigned
-            if data.__class__ is _ND and data.dtype is _UINT8 and data.ndim == 2 and data.flags.writeable:
-                entry = _quantized_route.get((src.dtype, idx.dtype))
-                if entry is not None and code is not None and entry(data, src, idx, code,
-                                                                    _threads.PARALLEL_MIN_BYTES):
-                    return dst
     dst, src, idx = _args.set_rows(dst, src, idx)
     if dst.__class__ is Quantized:
         return _set_rows_quantized(dst, src, idx)
-    if (dst.ndim == 2 and idx.ndim == 1 and src.size * (src.itemsize + dst.itemsize) < _threads.PARALLEL_MIN_BYTES
-            and _rows_route.run((dst.dtype, src.dtype, idx.dtype), dst, src, idx, _threads.PARALLEL_MIN_BYTES)):
-        return dst
     n_rows = dst.shape[-2]
     n_workers = _threads.threads_for(src.size * (src.itemsize + dst.itemsize))
     dk, sk = kernel_view(dst), kernel_view(src)
