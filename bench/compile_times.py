@@ -2,15 +2,13 @@
 
     python bench/compile_times.py                      # every case, 2 threads, a markdown table on stdout
     python bench/compile_times.py --threads 1 --only attention
-    python bench/compile_times.py --only combinations --without-helpers
+    python bench/compile_times.py --only combinations
 
 Each case is one public call on inputs of a layer of the main job's model (32 query heads, 8 KV heads, head
 size 128); the "combinations" group adds other dtype combinations, layouts, modes and options. It runs twice, each time in a fresh Python process: first with an empty ``NUMBA_CACHE_DIR`` of its own
 (everything the call needs is compiled: the "cold" figure the first-use budget bounds at 10 s), then again
 with that cache filled (the "warm" figure: loading the machine code, bounded at 0.5 s). The process reports
-the call's wall and CPU seconds and the kernels fastattn's compile notices named, with their seconds (a kernel
-a helper process compiled meanwhile is marked; its seconds run from its start until the call took it up).
-``--without-helpers`` adds the cold call with helper processes off (``FASTATTN_COMPILE_HELPERS=0``).
+the call's wall and CPU seconds and the kernels fastattn's compile notices named, with their seconds.
 Imports (NumPy, Numba, fastattn) are not counted. The first row times Numba's own start-up alone (its
 registries, loaded at a process's first Numba call, whatever the op): the warm figures of the cases that call no
 kernel while building their inputs include it. The table goes in docs/benchmarks.md.
@@ -211,8 +209,7 @@ kernels = []
 class Collect(logging.Handler):
     def emit(self, record):
         if getattr(record, "fastattn_compile", None) == "end":
-            helper = " in a helper process" if getattr(record, "fastattn_helper", False) else ""
-            kernels.append((record.fastattn_kernel + helper, round(record.fastattn_seconds, 2)))
+            kernels.append((record.fastattn_kernel, round(record.fastattn_seconds, 2)))
 logging.getLogger("fastattn").addHandler(Collect())
 {setup}
 with fastattn.num_threads({threads}):
@@ -223,8 +220,8 @@ print(json.dumps(dict(wall=wall, cpu=cpu, kernels=kernels)))
 """
 
 
-def run_case(setup: str, threads: int, cache_dir: str, helpers: bool = True) -> dict:
-    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir, FASTATTN_COMPILE_HELPERS="1" if helpers else "0")
+def run_case(setup: str, threads: int, cache_dir: str) -> dict:
+    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
     code = _CHILD.format(setup=setup, threads=threads)
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
@@ -237,14 +234,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="Numba threads for the call (default 2)")
     parser.add_argument("--only", default="", help="op groups to run, comma-separated: startup, norm, set_rows, "
                                                    "rope, attention, quantized, combinations (default: all)")
-    parser.add_argument("--without-helpers", action="store_true",
-                        help="also time each cold call with FASTATTN_COMPILE_HELPERS=0, right after (a column)")
     args = parser.parse_args()
     groups = {g for g in args.only.split(",") if g}
-    without = " | cold wall s, no helpers" if args.without_helpers else ""
-    print(f"| first call ({args.threads} threads) | cold wall s | cold CPU s{without} | kernels compiled (s) "
-          f"| warm wall s |")
-    print("| --- | --- | --- |" + (" --- |" if without else "") + " --- | --- |")
+    print(f"| first call ({args.threads} threads) | cold wall s | cold CPU s | kernels compiled (s) | warm wall s |")
+    print("| --- | --- | --- | --- | --- |")
     started = time.perf_counter()
     for name, (group, setup) in CASES.items():
         if groups and group not in groups:
@@ -255,12 +248,8 @@ def main() -> None:
                 print(f"| {name} | {cold['error']} | | | |", flush=True)
                 continue
             warm = run_case(setup, args.threads, cache_dir)
-        alone = ""
-        if args.without_helpers:
-            with tempfile.TemporaryDirectory(prefix="fastattn-compile-") as cache_dir:
-                alone = f" | {run_case(setup, args.threads, cache_dir, helpers=False).get('wall', float('nan')):.1f}"
         kernels = ", ".join(f"{kernel} ({seconds})" for kernel, seconds in cold["kernels"])
-        print(f"| {name} | {cold['wall']:.1f} | {cold['cpu']:.1f}{alone} | {kernels} "
+        print(f"| {name} | {cold['wall']:.1f} | {cold['cpu']:.1f} | {kernels} "
               f"| {warm.get('wall', float('nan')):.2f} |", flush=True)
     print(f"\n{time.perf_counter() - started:.0f} s in all", file=sys.stderr)
 

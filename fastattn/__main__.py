@@ -74,9 +74,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true",
                    help="list the op groups and their cases (op, storage dtype, RoPE mode) without running them")
     p.add_argument("--jobs", type=_positive(int), default=None,
-                   help="processes compiling at a time (default: the number of cores). check/bench: the cases' "
-                        "first calls run in that many processes before the timing (1: in the job's own); "
-                        "warmup: units at a time")
+                   help="warmup: processes compiling at a time (default: the number of cores)")
     check = p.add_argument_group("check and bench")
     check.add_argument("--json", metavar="FILE", default=None,
                        help="also write the results as JSON to FILE; '-' writes only JSON to stdout and the "
@@ -159,7 +157,7 @@ def _check(p: argparse.ArgumentParser, args) -> int:
     if busy:
         print(f"warning: {busy}", file=sys.stderr)
     results = jobs.run(ops, threads=thread_counts, budget_s=args.budget, rounds=args.rounds,
-                       progress=Progress(sys.stderr), compile_jobs=args.jobs or cores)
+                       progress=Progress(sys.stderr))
     load_end = machine.load_average()
     loads = [x for x in (load_start, load_end) if x is not None]
     busy = machine.busy_warning(max(loads) if loads else None, cores)

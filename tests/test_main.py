@@ -11,7 +11,7 @@ import pytest
 
 from fastattn import __main__ as cli
 from fastattn import jobs
-from fastattn.jobs import ahead, checks, warmup
+from fastattn.jobs import checks, warmup
 
 #: The cheapest op group: two small kernels to compile.
 CHEAP_OPS = "set_rows"
@@ -30,7 +30,7 @@ def _run(*args, cache_dir=None, timeout=600) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def json_run(tmp_path_factory):
     """One run of the cheap group, compiling into an empty Numba cache (so its first calls compile)."""
-    return _run("--ops", CHEAP_OPS, "--threads", "1", "--budget", "0.01", "--json", "-", "--jobs", "1",
+    return _run("--ops", CHEAP_OPS, "--threads", "1", "--budget", "0.01", "--json", "-",
                 cache_dir=tmp_path_factory.mktemp("numba_cache"))
 
 
@@ -47,7 +47,7 @@ def test_json_dash_writes_only_json_to_stdout(json_run):
     for r in report["results"]:
         assert r["ok"] and r["threads"] == 1
         assert r["fast_min_ms"] <= r["fast_ms"] and r["reference_min_ms"] <= r["reference_ms"]
-        assert r["compiled"]  # an empty cache: the first call compiled
+    assert report["results"][0]["compiled"]  # an empty cache: the first call compiled (later cases share kernels)
     assert report["summary"]["line"] == f"{len(report['results'])}/{len(report['results'])} agree with the reference"
 
 
@@ -60,49 +60,6 @@ def test_progress_table_legend_and_summary_go_to_stderr(json_run):
     assert "speed-up  reference median / fast median" in err  # the legend
     assert re.search(r"^3/3 agree with the reference$", err, re.M)
     assert "fastattn: compiling" not in err  # the notices show as progress, not as loose lines
-
-
-def test_first_calls_ahead_in_worker_processes(tmp_path):
-    """--jobs 2: the cases' first calls (compiling into the empty cache) run in two worker processes before the
-    timing; their figures fill the "1st call" column and the job's own process only loads the kernels."""
-    run = _run("--ops", CHEAP_OPS, "--threads", "1,2", "--budget", "0.01", "--json", "-", "--jobs", "2",
-               cache_dir=tmp_path)
-    assert run.returncode == 0, run.stderr
-    for k in (1, 2, 3):
-        assert re.search(rf"^\[{k}/3\] +{ELAPSED}  first calls: set_rows .*\((compiled \d+\.\d s|cached)\)$",
-                         run.stderr, re.M), run.stderr
-    assert re.search(rf"first calls of 3 case\(s\) made in {ELAPSED} on 2 processes; now timing$", run.stderr,
-                     re.M), run.stderr
-    assert "compiling rows." not in run.stderr  # nothing left to compile in the job's own process
-    report = json.loads(run.stdout)
-    assert len(report["results"]) == 6 and all(r["ok"] for r in report["results"])
-    for r in report["results"]:
-        assert r["extra"]["loaded_ms"] >= 0  # the job's own first call, after the workers'
-    # each case compiled in its worker, at the first thread count it ran (1 thread: the serial kernels)
-    assert all(r["compiled"] and r["compile_s"] > 0 for r in report["results"] if r["threads"] == 1)
-
-
-def test_compile_ahead_tasks_keep_cases_sharing_kernels_together():
-    """Cases of one op group marked with the same kernels go to one worker (compiled once); the rest one task
-    each, attention's first (the slowest to compile)."""
-    cases = jobs.build(jobs.select_ops(["norm", "attention", "rope"]))
-    tasks = ahead.tasks(cases)
-    assert sorted(i for op, indices in tasks for i in indices) == sorted(c.index for c in cases)
-    assert tasks[0][0] == "attention"
-    assert [op for op, _ in tasks] == sorted((op for op, _ in tasks), key=ahead.ORDER.index)
-    by_label = {c.label: (c.op_group, c.index) for c in cases}
-    for shared in (("flash_attn_ext decode Nkv 512 32/8x128 f16 KV, auto",
-                    "flash_attn_ext decode Nkv 512 32/8x128 f16 KV, split_kv"),
-                   ("rope_ext (512,32,128) f32, neox out of place",
-                    "rope_ext (512,32,128) f32, neox in place, fused QKV view",
-                    "rope_ext (1,32,128) f32, normal, decode"),
-                   ("apply_rope_cache (1,32,128) f32, decode, prebuilt cache, in place",
-                    "apply_rope_cache_set_rows K (1,8,128) -> f16, decode, prebuilt cache",
-                    "rope_ext (16,32,128) f32, mrope, 4x4 image", "rope_cache (16, 2x64) f32, mrope, 4x4 image",
-                    "rope_ext (16,32,128) f32, imrope, 4x4 image", "rope_ext (16,16,80) f32, vision, 4x4 image")):
-        op = by_label[shared[0]][0]
-        assert (op, sorted(by_label[label][1] for label in shared)) in tasks
-    assert len(tasks) == len(cases) - 1 - 2 - 5
 
 
 def test_the_cases_cover_every_public_op_dtype_and_rope_mode():
@@ -149,7 +106,7 @@ def test_bfloat16_without_ml_dtypes_is_skipped_with_the_reason():
             "sys.modules['ml_dtypes'] = None  # import ml_dtypes now raises ImportError\n"
             "from fastattn.__main__ import main\n"
             "sys.exit(main(['--ops', 'set_rows', '--threads', '1', '--budget', '0.01', '--rounds', '2', "
-            "'--jobs', '1', '--json', '-']))\n")
+            "'--json', '-']))\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     reason = "bfloat16 needs ml_dtypes (python -m pip install ml_dtypes)"
@@ -321,14 +278,14 @@ def test_progress_on_a_terminal_rewrites_one_line_with_the_compiling_marker():
     stream = Terminal()
     progress = Progress(stream)
     progress.case(3, 12, "rope_ext (512,32,128) f32, neox, 2 threads")
-    progress.compiling("start", "rope_routes kernel fused_entry for float32", None)
-    progress.compiling("end", "rope_routes kernel fused_entry for float32", 6.25)
+    progress.compiling("start", "rope.drivers.drive_fused for float32", None)
+    progress.compiling("end", "rope.drivers.drive_fused for float32", 6.25)
     progress.finish()
     text = stream.getvalue()
     assert "\n" not in text  # one status line, rewritten in place
     assert re.search(r"\r\x1b\[K\[ 3/12\] +\d+\.\d s  rope_ext \(512,32,128\) f32, neox, 2 threads"
-                     r"  \[compiling rope_routes kernel fused_entry for float32 \.\.\.\]", text)
-    assert "[compiled rope_routes kernel fused_entry for float32 in 6.2 s]" in text
+                     r"  \[compiling rope\.drivers\.drive_fused for float32 \.\.\.\]", text)
+    assert "[compiled rope.drivers.drive_fused for float32 in 6.2 s]" in text
     assert text.endswith("\r\x1b[K")
     assert (elapsed(12.34), elapsed(125)) == ("12.3 s", "2:05")
 

@@ -90,15 +90,15 @@ def records():
 
 def test_nested_and_foreign_compiles_are_not_announced(records):
     listener = _notices.CompileNotices()
-    kernel = _dispatcher("fastattn.rope.routes", "fused_entry")
+    kernel = _dispatcher("fastattn.rope.drivers", "drive_fused")
     helper = _dispatcher("fastattn.rope.rotate", "rotate_rows_adjacent")
     args = (types.Array(types.uint16, 3, "A"), types.Array(types.int32, 1, "C"), types.float64)
     _compile(listener, kernel, args, nested=[helper])
     _compile(listener, _dispatcher("mymodel.kernels", "fused"), nested=[helper])
     assert [r.getMessage() for r in records][0] == (
-        "fastattn: compiling rope.routes.fused_entry for float16 (first use; cached on disk afterwards) ...")
+        "fastattn: compiling rope.drivers.drive_fused for float16 (first use; cached on disk afterwards) ...")
     assert [r.fastattn_compile for r in records] == ["start", "end"]
-    assert records[1].getMessage().startswith("fastattn: compiled rope.routes.fused_entry for float16 in ")
+    assert records[1].getMessage().startswith("fastattn: compiled rope.drivers.drive_fused for float16 in ")
     assert records[1].fastattn_seconds >= 0
 
 

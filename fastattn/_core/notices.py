@@ -4,8 +4,8 @@ A first call of an op can spend seconds to tens of seconds in Numba's compiler; 
 hang. So each top-level compile of one of fastattn's own kernels logs one line through the ``"fastattn"``
 logger when it starts, and one with the seconds it took when it ends::
 
-    fastattn: compiling rope.routes.fused_entry for float16 (first use; cached on disk afterwards) ...
-    fastattn: compiled rope_routes kernel fused_entry in 6.3 s
+    fastattn: compiling rope.drivers.drive_fused for float16 (first use; cached on disk afterwards) ...
+    fastattn: compiled rope.drivers.drive_fused for float16 in 6.3 s
 
 Nested compiles (helpers compiled while typing the kernel that calls them) stay silent, and so does loading a
 kernel from Numba's on-disk cache (Numba broadcasts its ``"numba:compile"`` event only when it compiles).
@@ -17,9 +17,9 @@ them::
     import logging
     logging.getLogger("fastattn").setLevel(logging.WARNING)
 
-Records carry ``fastattn_compile`` ("start" or "end"), ``fastattn_kernel`` (e.g. "rope kernel
-_rope_ext_prefill") and, on "end", ``fastattn_seconds``, for programs that show progress their own way (the
-main job does); a kernel compiled by a helper process (``_core.helper_compile``) adds ``fastattn_helper`` (True).
+Records carry ``fastattn_compile`` ("start" or "end"), ``fastattn_kernel`` (e.g.
+"rope.drivers.drive_fused for float16") and, on "end", ``fastattn_seconds``, for programs that show progress their own way (the
+main job does).
 """
 from __future__ import annotations
 

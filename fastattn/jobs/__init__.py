@@ -66,9 +66,6 @@ class Case:
     flops: float = 0.0  # for GFLOP/s (when set, reported instead of GB/s)
     op_group: str = ""  # set by ``build``: the registered op group and the case's place in its list
     index: int = 0
-    #: Cases of one op group with the same non-empty ``kernels`` compile the same kernels: the compile-ahead phase
-    #: (``ahead``) gives them to one worker, which compiles them once; every other case is a task of its own.
-    kernels: str = ""
     #: The storage dtype the case exercises (a ``DTYPES`` name): the activations' for the norms and ``rope_ext``,
     #: the cache's for the row writes, K/V's for attention, the block type for quantize / dequantize.
     dtype: str = ""
@@ -184,7 +181,7 @@ def select_ops(ops: Iterable[str] | None) -> list[str]:
 
 def build(ops: list[str], config: Config = LAYER) -> list[Case]:
     """Every case of ``ops``, with fresh inputs (the same for the same config), each marked with its op group
-    and its place in the group's list (how a worker process builds the same case: ``ahead``)."""
+    and its place in the group's list."""
     cases = []
     for op in ops:
         for index, case in enumerate(_BUILDERS[op](config, np.random.default_rng(config.seed))):
@@ -194,39 +191,22 @@ def build(ops: list[str], config: Config = LAYER) -> list[Case]:
 
 
 def run(ops: Iterable[str] | None = None, threads: Iterable[int | None] = (None,), config: Config = LAYER,
-        budget_s: float = 0.5, rounds: int = 5, progress: Progress | None = None,
-        compile_jobs: int = 1) -> list[Result]:
+        budget_s: float = 0.5, rounds: int = 5, progress: Progress | None = None) -> list[Result]:
     """Build, check and time every case of ``ops`` (all when None) at each thread count (None: the current one).
 
     ``budget_s``: seconds of timing per fast figure, split into ``rounds`` rounds; the reference's figure gets
     ``REFERENCE_SHARE`` of it. The reference is run and timed once per case, at the first thread count (it does
     not use fastattn's threads).
-    ``compile_jobs`` > 1: the cases' first calls run first in that many worker processes at once (``ahead``), so
-    their kernels compile on every core; their figures are the "1st call" column.
     """
     wanted = select_ops(ops)
     counts = [n or _threads.get_num_threads() for n in threads]
     results: list[Result] = []
     references: dict[tuple[str, str, str], tuple[Any, Timing]] = {}
-    phase = None
-    if compile_jobs > 1:
-        from .ahead import Ahead
-
-        phase = Ahead(counts, config, compile_jobs)  # its workers start while this process builds the cases
     with CompileWatch(progress) as watch:
         if progress:
-            progress.preparing(f"preparing the cases of {', '.join(wanted)}"
-                               + (f"; their first calls in {compile_jobs} processes" if phase else ""))
-        try:
-            first = build(wanted, config)
-            if phase:
-                phase.submit([c for c in first if not c.skip])
-        except BaseException:
-            if phase:
-                phase.close()
-            raise
+            progress.preparing(f"preparing the cases of {', '.join(wanted)}")
+        first = build(wanted, config)
         total, k = len(first) * len(counts), 0
-        ahead_calls = phase.wait(sum(not c.skip for c in first), progress) if phase else {}
         for i, n_threads in enumerate(counts):
             cases = first if i == 0 else build(wanted, config)  # fresh inputs: some cases work in place
             # each figure is labelled with its thread count: the prange kernels run on that many (fixed rule)
@@ -239,8 +219,7 @@ def run(ops: Iterable[str] | None = None, threads: Iterable[int | None] = (None,
                     if case.skip:
                         results.append(_skipped(case, n))
                         continue
-                    results.append(_run_case(case, n, budget_s, rounds, watch, references,
-                                             ahead_calls.get((case.op_group, case.index, n))))
+                    results.append(_run_case(case, n, budget_s, rounds, watch, references))
             first = cases = []  # let the inputs go before the next thread count builds its own
     if progress:
         progress.finish()
@@ -253,17 +232,12 @@ def _skipped(case: Case, n_threads: int) -> Result:
 
 
 def _run_case(case: Case, n_threads: int, budget_s: float, rounds: int, watch: CompileWatch,
-              references: dict, ahead_call=None) -> Result:
+              references: dict) -> Result:
     compiles, compile_s = watch.started, watch.seconds
     t0 = time.perf_counter()
     fast_out = _snapshot(case.fast())  # a copy: in-place cases overwrite their result while being timed
     first_ms = (time.perf_counter() - t0) * 1e3
     compiled, compile_s = watch.started > compiles, watch.seconds - compile_s
-    extra = {}
-    if ahead_call is not None:  # the first call was made in a worker (``ahead``); here the kernels were loaded
-        extra["loaded_ms"] = round(first_ms, 3)
-        first_ms, compiled = ahead_call.ms, ahead_call.compiled or compiled
-        compile_s += ahead_call.compile_s
     # The fast path is timed before the reference runs: OpenBLAS's worker threads spin for a while after the
     # reference's matmuls and would steal the cores a parallel kernel launched right then needs.
     fast = time_rounds(case.fast, budget_s, rounds)
@@ -284,7 +258,7 @@ def _run_case(case: Case, n_threads: int, budget_s: float, rounds: int, watch: C
                   case.check.tolerance, reference.median_ms, fast.median_ms, first_ms,
                   reference.median_ms / fast.median_ms, rate, unit, reference.min_ms, fast.min_ms, fast.rounds,
                   compiled, compile_s,
-                  extra={"parallel": bool(case.flops) or case.nbytes >= _threads.PARALLEL_MIN_BYTES, **extra},
+                  extra={"parallel": bool(case.flops) or case.nbytes >= _threads.PARALLEL_MIN_BYTES},
                   dtype=case.dtype, mode=case.mode)
 
 

@@ -72,7 +72,7 @@ def build(config: Config, rng: np.random.Generator) -> list[Case]:
             "flash_attn_ext", f"decode Nkv {n_kv} {Hq}/{Hkv}x{D} f16 KV", path,
             fast=lambda path=path: flash_attn_ext(qd, kd, vd, scale=scale, path=path, out=out_d),
             reference=lambda: reference.flash_attn_ext(qd, kd, vd, scale=scale),
-            check=check, nbytes=kd.nbytes + vd.nbytes, kernels="decode f16",  # split_kv: the same group loop
+            check=check, nbytes=kd.nbytes + vd.nbytes,
             dtype="float16"))
 
     # the reference quantizer (NumPy; the same bytes as fastattn.quantize): building the case compiles nothing

@@ -36,13 +36,11 @@ class CompileWatch(logging.Handler):
         kind = getattr(record, "fastattn_compile", None)
         if kind == "start":
             self.started += 1
-        elif kind == "end" and not getattr(record, "fastattn_helper", False):  # a helper's overlaps this process's
+        elif kind == "end":
             self.seconds += getattr(record, "fastattn_seconds", 0.0)
         if kind is not None and self.progress is not None:
-            kernel = getattr(record, "fastattn_kernel", "")
-            if getattr(record, "fastattn_helper", False):
-                kernel += " in a helper process"
-            self.progress.compiling(kind, kernel, getattr(record, "fastattn_seconds", None))
+            self.progress.compiling(kind, getattr(record, "fastattn_kernel", ""), getattr(record, "fastattn_seconds",
+                                                                                           None))
 
     def __enter__(self) -> "CompileWatch":
         _notices.LOGGER.addHandler(self)
@@ -83,16 +81,6 @@ class Progress:
         self.k, self.total, self.label = k, total, label
         self._write(self._head() + label)
 
-    def ahead(self, k: int, total: int, label: str, what: str) -> None:
-        """A case's first calls done in a worker process (``ahead``), ``what`` they compiled."""
-        width = len(str(total))
-        self._write(f"[{k:>{width}}/{total}] {elapsed(time.perf_counter() - self.start):>7}  first calls: "
-                    f"{label} ({what})")
-
-    def ahead_done(self, total: int, workers: int, took: str) -> None:
-        self._write(f"{elapsed(time.perf_counter() - self.start):>7}  first calls of {total} case(s) made in "
-                    f"{took} on {workers} processes; now timing")
-
     def compiling(self, kind: str, kernel: str, seconds: float | None) -> None:
         if self.tty:
             prefix = self._head() if self.total else ""
@@ -102,7 +90,7 @@ class Progress:
                 self._write(f"{prefix}{self.label}  [compiled {kernel} in {seconds:.1f} s]")
         elif kind == "start":
             self._write(f"{'':9}compiling {kernel} ...")
-        else:  # named: a helper process's kernel may end between another kernel's two lines
+        else:
             self._write(f"{'':9}compiled {kernel} in {seconds:.1f} s")
 
     def finish(self) -> None:

@@ -26,9 +26,7 @@ rate      the fast median as GB/s (bytes read + written) or GFLOP/s (attention p
           each call on the same buffers, so a working set that fits the CPU's caches is read from there: its
           GB/s can exceed the DRAM bandwidth (bench measures both roofs, --plot compares each op with its own).
 1st call  the case's first fast call in a fresh process: it compiles the kernels the case needs ("compiled";
-          they are then cached on disk) or loads them from Numba's cache, and picks the path. With --jobs
-          above 1 (the default on several cores) the cases' first calls are made before the timing, in that
-          many processes at once, so compiling uses every core; the timing then loads the kernels."""
+          they are then cached on disk) or loads them from Numba's cache, and picks the path."""
 
 
 def _ms(value: float) -> str:

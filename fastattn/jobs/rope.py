@@ -4,7 +4,7 @@ writes (prefill from the positions, decode from a prebuilt cache), NORMAL (GPT-J
 multimodal modes on the tokens of a small image: MROPE (Qwen2-VL text layers, with its ``rope_cache`` table),
 IMROPE (Qwen3-VL) and VISION (Qwen2-VL's vision encoder).
 
-The multimodal cases are small (below the parallel size): with the decode case they share the table route's
+The multimodal cases are small (below the parallel size): with the decode case they share the serial table
 kernels, so they add timing but hardly any compile time to the job.
 
 Checks are ``fastattn.testing``'s rule: float32 results within 2x the error of a straightforward float32 NumPy
@@ -90,7 +90,7 @@ def rope_cases(config: Config, rng: np.random.Generator) -> list[Case]:
     cases.append(Case("rope_ext", f"({n},{h},{d}) f32", "neox out of place",
                       fast=lambda: fastattn.rope_ext(x, pos, **neox, out=out),
                       reference=lambda: ref.rope_ext(x, pos, **neox, out=np.empty(x.shape)),
-                      check=_rule(x, pos, neox), nbytes=2 * x.nbytes, kernels="rope_ext", **f32))
+                      check=_rule(x, pos, neox), nbytes=2 * x.nbytes, **f32))
 
     # Q inside the fused QKV projection output, rotated in place. The first (checked) call rotates the original
     # values; timing calls keep rotating the same buffer.
@@ -100,7 +100,7 @@ def rope_cases(config: Config, rng: np.random.Generator) -> list[Case]:
     cases.append(Case("rope_ext", f"({n},{h},{d}) f32", "neox in place, fused QKV view",
                       fast=lambda: fastattn.rope_ext(q, pos, **neox, out=q),
                       reference=lambda: ref.rope_ext(q0, pos, **neox, out=np.empty(q0.shape)),
-                      check=_rule(q0, pos, neox), nbytes=2 * q.nbytes, kernels="rope_ext", **f32))
+                      check=_rule(q0, pos, neox), nbytes=2 * q.nbytes, **f32))
 
     # decode: one cache for the step, applied in place (to Q; K is the same call). The cache is built by the
     # case's first call, so building the cases compiles nothing and that first call counts the table's kernel.
@@ -117,7 +117,7 @@ def rope_cases(config: Config, rng: np.random.Generator) -> list[Case]:
     cases.append(Case("apply_rope_cache", f"(1,{h},{d}) f32", "decode, prebuilt cache, in place",
                       fast=apply_decode,
                       reference=lambda: ref.rope_ext(xq0, step, **neox, out=np.empty(xq0.shape)),
-                      check=_rule(xq0, step, neox), nbytes=2 * xq.nbytes, kernels="table", **f32))
+                      check=_rule(xq0, step, neox), nbytes=2 * xq.nbytes, **f32))
 
     # fused RoPE -> float16 KV cache write of K
     k = rng.standard_normal((n, h_kv, d)).astype(np.float32)
@@ -147,7 +147,7 @@ def rope_cases(config: Config, rng: np.random.Generator) -> list[Case]:
     cases.append(Case("apply_rope_cache_set_rows", f"K (1,{h_kv},{d}) -> f16", "decode, prebuilt cache",
                       fast=fused_decode, reference=lambda: ref.rope_ext(k1, step, **neox, out=np.empty(k1.shape)),
                       # its first call builds the step's table, as the "table" cases do: one task compiles it once
-                      check=half_1ulp(), nbytes=k1.nbytes + h_kv * d * 2, kernels="table", dtype="float16",
+                      check=half_1ulp(), nbytes=k1.nbytes + h_kv * d * 2, dtype="float16",
                       mode="NEOX"))
 
     return cases + _mode_cases(config, rng, step)
@@ -160,14 +160,14 @@ def _mode_cases(config: Config, rng: np.random.Generator, step: np.ndarray) -> l
 
     h, d = config.n_head, config.head_dim
     cases = []
-    # NORMAL: GPT-J's adjacent pairs, on a decode row of Q (the fused route, as the NEOX prefill)
+    # NORMAL: GPT-J's adjacent pairs, on a decode row of Q
     normal = dict(n_dims=d, mode=fastattn.ROPE_NORMAL, freq_base=10000.0)
     xn = rng.standard_normal((1, h, d)).astype(np.float32)
     out_n = np.empty_like(xn)
     cases.append(Case("rope_ext", f"(1,{h},{d}) f32", "normal, decode",
                       fast=lambda: fastattn.rope_ext(xn, step, **normal, out=out_n),
                       reference=lambda: ref.rope_ext(xn, step, **normal, out=np.empty(xn.shape)),
-                      check=_rule(xn, step, normal), nbytes=2 * xn.nbytes, kernels="rope_ext", dtype="float32",
+                      check=_rule(xn, step, normal), nbytes=2 * xn.nbytes, dtype="float32",
                       mode="NORMAL"))
 
     # The multimodal modes on an image's patches: Qwen2-VL's text layers (MROPE, sections of pairs for t, h, w),
@@ -190,7 +190,7 @@ def _mode_cases(config: Config, rng: np.random.Generator, step: np.ndarray) -> l
                               xm, pos4, **kwargs, out=out_m),
                           reference=lambda xm=xm, kwargs=kwargs, pos4=pos4: ref.rope_ext(
                               xm, pos4, **kwargs, out=np.empty(xm.shape)),
-                          check=_rule(xm, pos4, kwargs), nbytes=2 * xm.nbytes, kernels="table", dtype="float32",
+                          check=_rule(xm, pos4, kwargs), nbytes=2 * xm.nbytes, dtype="float32",
                           mode=name))
         if name == "MROPE":  # the table itself: cos then sin of every pair, built once for Q and K of these tokens
             theta = _naive_angles(pos4, kwargs)
@@ -199,5 +199,5 @@ def _mode_cases(config: Config, rng: np.random.Generator, step: np.ndarray) -> l
                 fast=lambda pos4=pos4, kwargs=kwargs: fastattn.rope_cache(pos4, **kwargs).cs,
                 reference=lambda pos4=pos4, kwargs=kwargs: _reference_table(pos4, kwargs),
                 check=float32_rule(np.concatenate([np.cos(theta), np.sin(theta)], axis=1), 2 * _FLOOR),
-                nbytes=theta.size * 8 + pos4.nbytes, kernels="table", dtype="float32", mode=name))
+                nbytes=theta.size * 8 + pos4.nbytes, dtype="float32", mode=name))
     return cases

@@ -11,13 +11,11 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import multiprocessing
-import os
 import sys
 import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from .._core import helper_compile as _helper_compile
 from .._core import validate as _validate
 from .progress import elapsed
 from .warmup_calls import GROUPS, QUANTIZED, dtype_of
@@ -81,10 +79,6 @@ def run_unit(unit: Unit, thread_counts: list[int]) -> Done:
     return Done(unit, time.perf_counter() - start, calls, skipped, watch.started)
 
 
-def _no_helpers() -> None:
-    os.environ[_helper_compile.ENV] = "0"
-
-
 def run(todo: list[Unit], thread_counts: list[int], workers: int, stream: TextIO | None = None
         ) -> list[Done | None]:
     """Run ``todo`` on ``workers`` processes (spawned, one unit each), printing a progress bar to ``stream``
@@ -97,9 +91,7 @@ def run(todo: list[Unit], thread_counts: list[int], workers: int, stream: TextIO
     stream.write(f"warming {len(todo)} unit(s) on {min(workers, len(todo))} process(es), threads "
                  f"{','.join(map(str, thread_counts))}: compiling what Numba's cache does not hold yet\n")
     stream.flush()
-    # the workers keep every core compiling: no helper processes of their own (``_core.helper_compile``)
-    options = {"max_workers": workers, "mp_context": multiprocessing.get_context("spawn"),
-               "initializer": _no_helpers}
+    options = {"max_workers": workers, "mp_context": multiprocessing.get_context("spawn")}
     if sys.version_info >= (3, 11):
         options["max_tasks_per_child"] = 1  # a fresh process per unit
     done: dict[Unit, Done | None] = {}

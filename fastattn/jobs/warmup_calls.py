@@ -120,7 +120,7 @@ def set_rows(dtype: np.dtype | str, call: _Calls) -> None:
 
 def rope(dtype: np.dtype | str, call: _Calls) -> None:
     """rope_ext / apply_rope_cache of x in ``dtype`` (float dtypes), and K rotated into a cache of ``dtype``: at
-    512 tokens with 2 KV heads (below the parallel size: the table route) and 8 (the fused route)."""
+    512 tokens with 2 KV heads (below the parallel size: the serial table path) and 8 (the fused parallel path)."""
     import fastattn
 
     rng = np.random.default_rng(0)
