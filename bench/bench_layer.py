@@ -36,6 +36,7 @@ from numba import prange
 import fastattn
 from fastattn._core import threads as _threads
 from fastattn._core.kernel import kernel
+from fastattn.jobs.timing import Rounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from example_layer import load_example  # noqa: E402
@@ -184,18 +185,16 @@ def test_pool_wake(benchmark, user_blas):
     _touch(a)
     waits = [lambda s=s: time.sleep(s) for s in IDLE_S] + [lambda: m @ m]
     names = [f"after {s * 1e3:g} ms idle" for s in IDLE_S] + ["after a matmul"]
-    times: dict[str, list[float]] = {name: [] for name in names}
+    timed = Rounds(names)
 
     def each():
         for name, wait in zip(names, waits):
             wait()
-            start = time.perf_counter()
-            _touch(a)
-            times[name].append(time.perf_counter() - start)
+            timed.time(name, _touch, a)
 
     measure(benchmark, each, group="layer: waking the thread pool", threads=2, rounds=10)
     if benchmark.stats is None:
         return
     benchmark.extra_info["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "(unset)")
-    for name in names:
-        benchmark.extra_info[f"{name} us"] = round(float(np.median(times[name])) * 1e6, 1)
+    for name, median in timed.medians().items():
+        benchmark.extra_info[f"{name} us"] = round(median * 1e6, 1)
