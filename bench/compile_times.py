@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from fastattn.jobs.report import markdown, markdown_row
+
 #: Setup shared by the "combinations" cases: bfloat16 and a K/V maker for any storage type.
 _COMBINATION = """
 import ml_dtypes
@@ -241,10 +243,9 @@ def main() -> None:
                         help="also time each cold call with FASTATTN_COMPILE_HELPERS=0, right after (a column)")
     args = parser.parse_args()
     groups = {g for g in args.only.split(",") if g}
-    without = " | cold wall s, no helpers" if args.without_helpers else ""
-    print(f"| first call ({args.threads} threads) | cold wall s | cold CPU s{without} | kernels compiled (s) "
-          f"| warm wall s |")
-    print("| --- | --- | --- |" + (" --- |" if without else "") + " --- | --- |")
+    without = ["cold wall s, no helpers"] if args.without_helpers else []
+    print(markdown([f"first call ({args.threads} threads)", "cold wall s", "cold CPU s", *without,
+                    "kernels compiled (s)", "warm wall s"]))
     started = time.perf_counter()
     for name, (group, setup) in CASES.items():
         if groups and group not in groups:
@@ -255,13 +256,13 @@ def main() -> None:
                 print(f"| {name} | {cold['error']} | | | |", flush=True)
                 continue
             warm = run_case(setup, args.threads, cache_dir)
-        alone = ""
+        alone = []
         if args.without_helpers:
             with tempfile.TemporaryDirectory(prefix="fastattn-compile-") as cache_dir:
-                alone = f" | {run_case(setup, args.threads, cache_dir, helpers=False).get('wall', float('nan')):.1f}"
+                alone = [f"{run_case(setup, args.threads, cache_dir, helpers=False).get('wall', float('nan')):.1f}"]
         kernels = ", ".join(f"{kernel} ({seconds})" for kernel, seconds in cold["kernels"])
-        print(f"| {name} | {cold['wall']:.1f} | {cold['cpu']:.1f}{alone} | {kernels} "
-              f"| {warm.get('wall', float('nan')):.2f} |", flush=True)
+        print(markdown_row([name, f"{cold['wall']:.1f}", f"{cold['cpu']:.1f}", *alone, kernels,
+                            f"{warm.get('wall', float('nan')):.2f}"]), flush=True)
     print(f"\n{time.perf_counter() - started:.0f} s in all", file=sys.stderr)
 
 

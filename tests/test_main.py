@@ -248,6 +248,17 @@ def test_paired_rounds_rotate_their_order_and_time_only_the_calls():
     assert per_second(3e9, 1.5) == 2.0
 
 
+def test_the_benchmark_tables_write_times_with_their_unit_and_rows_as_markdown():
+    """bench/report.py's and bench/compile_times.py's cells and tables, written by the main job's report module."""
+    from fastattn.jobs.report import aligned, duration, markdown
+
+    assert [duration(s) for s in (2.07e-6, 3.586e-4, 1.0951e-3, 1.1744e-2, 0.2659, None)] == [
+        "2.07 µs", "358.6 µs", "1.095 ms", "11.74 ms", "265.9 ms", "—"]
+    assert markdown(["a", "b"], [("1", "")]) == "| a | b |\n| --- | --- |\n| 1 |  |"
+    assert markdown(["a"]) == "| a |\n| --- |"
+    assert aligned([("op", "ms"), ("rope_ext", "1.0")]) == ["op        ms", "--------  ---", "rope_ext  1.0"]
+
+
 def test_checks_refuse_a_result_of_another_shape():
     """A result that only broadcasts against the reference (a case that returned the wrong array) fails."""
     row = np.ones((1, 4), np.float32)
