@@ -83,7 +83,7 @@ def example():
 def user_blas():
     """NumPy's BLAS on every core and fastattn's default thread rule while the test runs (as a user leaves
     them); back to one BLAS thread and the benchmarks' fixed rule after."""
-    with threadpoolctl.threadpool_limits(os.cpu_count() or 1, user_api="blas"):
+    with threadpoolctl.threadpool_limits(_threads.cores(), user_api="blas"):
         _threads.set_thread_rule(RULE)
         yield
         _threads.set_thread_rule("fixed")
@@ -149,7 +149,7 @@ def _run_layer(benchmark, example, stage: str, rounds: int):
     info = benchmark.extra_info
     info["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "(unset)")
     info["thread_rule"] = RULE
-    info["blas_threads"] = os.cpu_count()
+    info["blas_threads"] = _threads.cores()
     for step in STEP_CALLS:
         for threads in (1, 2):
             info[f"{step} in layer {threads}t us"] = round(float(np.median(per_threads[threads][step])) * 1e6, 1)

@@ -20,6 +20,7 @@ from numba import prange
 
 from .._core import threads as _threads
 from .._core.kernel import kernel
+from .timing import per_second
 
 BUFFER_BYTES = 256 << 20
 #: The one-thread in-cache copy's working set: the size below which the ops run serially
@@ -132,7 +133,7 @@ def measure(threads: int, working_sets=()) -> Roofs:
     for size in sorted({size_class(w) for w in working_sets if w <= (llc or CACHE_BYTES)}):
         if size <= BUFFER_BYTES:
             a, b = src[:size // 8], dst[:size // 8]
-            copy_at[size] = size / _best_seconds(lambda: _copy(a, b, chunks), repeats=30) / 1e9
-    return Roofs(threads, 2 * BUFFER_BYTES / copy_s / 1e9, BUFFER_BYTES / read_s / 1e9,
-                 2 * _LANES * iterations * threads / fma_s / 1e9, CACHE_BYTES / cache_s / 1e9, CACHE_BYTES,
-                 SERIAL_BYTES / serial_s / 1e9, SERIAL_BYTES, llc, copy_at)
+            copy_at[size] = per_second(size, _best_seconds(lambda: _copy(a, b, chunks), repeats=30))
+    return Roofs(threads, per_second(2 * BUFFER_BYTES, copy_s), per_second(BUFFER_BYTES, read_s),
+                 per_second(2 * _LANES * iterations * threads, fma_s), per_second(CACHE_BYTES, cache_s), CACHE_BYTES,
+                 per_second(SERIAL_BYTES, serial_s), SERIAL_BYTES, llc, copy_at)
