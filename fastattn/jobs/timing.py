@@ -1,4 +1,5 @@
-"""Timing for the main job and the benchmarks (bench/): the one clock both read, and the statistics over it.
+"""Timing for the main job, its roofs and the benchmarks (bench/): how calls are timed, and the figures made
+of them.
 
 ``time_rounds`` is the main job's. One number from one stretch of calls is easily off by a factor of several on
 a shared machine (the same op has read 0.75 ms in one run and 7.99 ms in another), so each figure is ``rounds``
@@ -7,8 +8,8 @@ machine at its quietest) and the median over rounds. A wide gap between the two 
 
 ``Rounds`` is the paired benchmarks': single calls of several named functions, timed side by side round by round
 (each inside a pytest-benchmark round), each name's figure the median of its calls; a ratio of two such medians
-does not depend on when each side was timed. ``per_second`` turns an amount (bytes, flops) and seconds into the
-GB/s or GFLOP/s both report.
+does not depend on when each side was timed. ``fastest_call`` is the roofs' (``roofs``): the best of a few calls.
+``per_second`` turns an amount (bytes, flops) and seconds into the GB/s or GFLOP/s every report gives.
 """
 from __future__ import annotations
 
@@ -65,6 +66,18 @@ def time_rounds(fn: Callable[[], Any], budget_s: float, rounds: int, once_s: flo
                 break
         per_call.append((time.perf_counter() - t0) / done)
     return Timing(min(per_call) * 1e3, statistics.median(per_call) * 1e3, rounds, calls)
+
+
+def fastest_call(fn: Callable[[], Any], repeats: int = 3) -> float:
+    """The seconds of the fastest of ``repeats`` calls of ``fn``, after one untimed call (the roofs' figure: a
+    machine's peak is its best run)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def per_second(amount: float, seconds: float) -> float:
