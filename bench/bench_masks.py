@@ -9,8 +9,8 @@ Llama-3-8B-like heads (32 query heads, 8 KV heads, D 128), float16 K/V and masks
 - prefill window: 2048 queries with a causal 512-key window, against the dense causal prefill of the same size
   (target: <= 0.4x).
 
-Each round runs both sides in an order that alternates (``conftest.paired``); ``extra_info`` holds each side's median (ms) and the
-ratio masked / live. Run: ``python -m pytest bench/bench_masks.py --benchmark-group-by=group``.
+Each round runs both sides in an order that alternates (``conftest.paired``); ``extra_info`` holds each side's
+median (ms) and the ratio masked / live. Run: ``python -m pytest bench/bench_masks.py --benchmark-group-by=group``.
 """
 from __future__ import annotations
 
