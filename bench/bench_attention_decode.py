@@ -19,11 +19,10 @@ Run: ``python -m pytest bench/bench_attention_decode.py --benchmark-columns=medi
 from __future__ import annotations
 
 import itertools
-import time
 
 import numpy as np
 import pytest
-from conftest import THREADS, measure, torch_or_none
+from conftest import THREADS, measure, paired, torch_or_none
 from numba import prange
 
 import fastattn
@@ -156,22 +155,11 @@ def test_decode_vs_dram_paired(benchmark, n_kv, dtype, threads):
     calls = {"dram": lambda k, v: _dram_read(k, v, threads)}
     for path in ("auto", "split_kv", "one_chunk"):
         calls[path] = lambda k, v, path=path: fastattn.flash_attn_ext(q, k, v, scale=SCALE, path=path, out=out)
-    names = list(calls)
-    times: dict = {name: [] for name in names}
-
-    def all_four():
-        shift = len(times["dram"]) % len(names)
-        for name in names[shift:] + names[:shift]:
-            k, v = layers.next()
-            start = time.perf_counter()
-            calls[name](k, v)
-            times[name].append(time.perf_counter() - start)
-
-    measure(benchmark, all_four, group=f"decode Nkv {n_kv} {dtype} vs DRAM read, paired", threads=threads,
-            nbytes=len(names) * layers.bytes, rounds=PAIRED_ROUNDS)
-    if benchmark.stats is None:  # --benchmark-disable: one untimed round, no ratio to record
+    medians = paired(benchmark, calls, group=f"decode Nkv {n_kv} {dtype} vs DRAM read, paired", threads=threads,
+                     nbytes=len(calls) * layers.bytes, rounds=PAIRED_ROUNDS, skip=2, arguments=layers.next)
+    if medians is None:
         return
-    medians = {name: float(np.median(times[name][2:])) for name in names}  # past the warm-up calls
+    names = list(calls)
     for name in names:
         benchmark.extra_info[f"{name}_us"] = round(medians[name] * 1e6, 1)
     for name in names[1:]:

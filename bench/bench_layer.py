@@ -36,6 +36,7 @@ from numba import prange
 import fastattn
 from fastattn._core import threads as _threads
 from fastattn._core.kernel import kernel
+from fastattn.jobs.timing import Rounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from example_layer import load_example  # noqa: E402
@@ -82,7 +83,7 @@ def example():
 def user_blas():
     """NumPy's BLAS on every core and fastattn's default thread rule while the test runs (as a user leaves
     them); back to one BLAS thread and the benchmarks' fixed rule after."""
-    with threadpoolctl.threadpool_limits(os.cpu_count() or 1, user_api="blas"):
+    with threadpoolctl.threadpool_limits(_threads.cores(), user_api="blas"):
         _threads.set_thread_rule(RULE)
         yield
         _threads.set_thread_rule("fixed")
@@ -148,7 +149,7 @@ def _run_layer(benchmark, example, stage: str, rounds: int):
     info = benchmark.extra_info
     info["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "(unset)")
     info["thread_rule"] = RULE
-    info["blas_threads"] = os.cpu_count()
+    info["blas_threads"] = _threads.cores()
     for step in STEP_CALLS:
         for threads in (1, 2):
             info[f"{step} in layer {threads}t us"] = round(float(np.median(per_threads[threads][step])) * 1e6, 1)
@@ -184,18 +185,16 @@ def test_pool_wake(benchmark, user_blas):
     _touch(a)
     waits = [lambda s=s: time.sleep(s) for s in IDLE_S] + [lambda: m @ m]
     names = [f"after {s * 1e3:g} ms idle" for s in IDLE_S] + ["after a matmul"]
-    times: dict[str, list[float]] = {name: [] for name in names}
+    timed = Rounds(names)
 
     def each():
         for name, wait in zip(names, waits):
             wait()
-            start = time.perf_counter()
-            _touch(a)
-            times[name].append(time.perf_counter() - start)
+            timed.time(name, _touch, a)
 
     measure(benchmark, each, group="layer: waking the thread pool", threads=2, rounds=10)
     if benchmark.stats is None:
         return
     benchmark.extra_info["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "(unset)")
-    for name in names:
-        benchmark.extra_info[f"{name} us"] = round(float(np.median(times[name])) * 1e6, 1)
+    for name, median in timed.medians().items():
+        benchmark.extra_info[f"{name} us"] = round(median * 1e6, 1)

@@ -9,16 +9,14 @@ Llama-3-8B-like heads (32 query heads, 8 KV heads, D 128), float16 K/V and masks
 - prefill window: 2048 queries with a causal 512-key window, against the dense causal prefill of the same size
   (target: <= 0.4x).
 
-Each round runs both sides in an order that alternates; ``extra_info`` holds each side's median (ms) and the
-ratio masked / live. Run: ``python -m pytest bench/bench_masks.py --benchmark-group-by=group``.
+Each round runs both sides in an order that alternates (``conftest.paired``); ``extra_info`` holds each side's
+median (ms) and the ratio masked / live. Run: ``python -m pytest bench/bench_masks.py --benchmark-group-by=group``.
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
-from conftest import measure
+from conftest import paired
 
 import fastattn
 
@@ -35,20 +33,10 @@ def _qkv(rng, batch, n_q, n_kv):
 
 
 def _paired(benchmark, masked, live, *, group: str, rounds: int):
-    times = {"masked": [], "live": []}
-    turn = [0]
-
-    def one_round():
-        sides = (("masked", masked), ("live", live))
-        turn[0] += 1
-        for name, fn in (sides if turn[0] % 2 else sides[::-1]):
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-
     live()  # compile / warm up both sides
-    measure(benchmark, one_round, group=group, threads=THREADS, rounds=rounds)
-    medians = {name: float(np.median(t[1:])) for name, t in times.items()}  # t[0]: measure's warm-up call
+    medians = paired(benchmark, {"masked": masked, "live": live}, group=group, threads=THREADS, rounds=rounds)
+    if medians is None:
+        return
     benchmark.extra_info["masked_ms"] = round(medians["masked"] * 1e3, 3)
     benchmark.extra_info["live_ms"] = round(medians["live"] * 1e3, 3)
     benchmark.extra_info["masked/live"] = round(medians["masked"] / medians["live"], 3)

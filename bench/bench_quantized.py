@@ -19,15 +19,15 @@ Run: ``python -m pytest bench/bench_quantized.py --benchmark-columns=median,roun
 from __future__ import annotations
 
 import itertools
-import time
 
 import numpy as np
 import pytest
 from bench_attention_decode import COLD_BYTES, _dram_read
-from conftest import THREADS, measure
+from conftest import THREADS, paired
 
 import fastattn
 from fastattn.jobs import LAYER
+from fastattn.jobs.timing import per_second
 
 HQ, HKV, D = LAYER.n_head, LAYER.n_head_kv, LAYER.head_dim
 SCALE = D ** -0.5
@@ -48,23 +48,6 @@ def _layers(kind: str, n_kv: int) -> list:
     return [(fastattn.Quantized(k.data.copy(), kind), fastattn.Quantized(v.data.copy(), kind)) for _ in range(count)]
 
 
-def _interleaved(benchmark, calls: dict, rounds: int, group: str, threads: int, nbytes: float) -> dict:
-    """Run every call once per round, the order rotating from round to round; returns the median seconds of each
-    (past the first two rounds)."""
-    names = list(calls)
-    times: dict = {name: [] for name in names}
-
-    def one_round():
-        shift = len(times[names[0]]) % len(names)
-        for name in names[shift:] + names[:shift]:
-            start = time.perf_counter()
-            calls[name]()
-            times[name].append(time.perf_counter() - start)
-
-    measure(benchmark, one_round, group=group, threads=threads, nbytes=nbytes, rounds=rounds)
-    return {name: float(np.median(times[name][2:])) for name in names}
-
-
 @pytest.mark.parametrize("threads", THREADS)
 @pytest.mark.parametrize("n_kv", [4096, 16384])
 def test_decode_quantized_paired(benchmark, n_kv, threads):
@@ -80,16 +63,16 @@ def test_decode_quantized_paired(benchmark, n_kv, threads):
     calls = {kind: (lambda kind=kind: attend(kind)) for kind in KINDS}
     calls["dram"] = lambda: _dram_read(*next(probe_layers), threads)
     nbytes = {kind: 2 * HKV * n_kv * ROW_BYTES[kind] for kind in KINDS}
-    medians = _interleaved(benchmark, calls, 12, f"decode Nkv {n_kv} float16 / q8_0 / q4_0 KV, paired", threads,
-                           sum(nbytes.values()) + nbytes["float16"])
-    if benchmark.stats is None:
+    medians = paired(benchmark, calls, group=f"decode Nkv {n_kv} float16 / q8_0 / q4_0 KV, paired", threads=threads,
+                     nbytes=sum(nbytes.values()) + nbytes["float16"], rounds=12, skip=2)
+    if medians is None:
         return
-    probe = nbytes["float16"] / medians["dram"]
-    benchmark.extra_info["dram_GB/s"] = round(probe / 1e9, 2)
+    probe = per_second(nbytes["float16"], medians["dram"])
+    benchmark.extra_info["dram_GB/s"] = round(probe, 2)
     for kind in KINDS:
-        rate = nbytes[kind] / medians[kind]
+        rate = per_second(nbytes[kind], medians[kind])
         benchmark.extra_info[f"{kind}_us"] = round(medians[kind] * 1e6, 1)
-        benchmark.extra_info[f"{kind}_GB/s"] = round(rate / 1e9, 2)
+        benchmark.extra_info[f"{kind}_GB/s"] = round(rate, 2)
         benchmark.extra_info[f"{kind}/dram"] = round(rate / probe, 3)
         benchmark.extra_info[f"{kind}/float16"] = round(medians[kind] / medians["float16"], 3)
 
@@ -108,12 +91,13 @@ def test_prefill_quantized_paired(benchmark, threads):
     calls = {kind: (lambda kind=kind: fastattn.flash_attn_ext(q, *kv[kind], mask, scale=SCALE, out=out))
              for kind in kv}
     flops = 4.0 * HQ * D * n * (n + 1) / 2
-    medians = _interleaved(benchmark, calls, 8, f"prefill {n} causal float16 / q8_0 KV, paired", threads, 0.0)
-    if benchmark.stats is None:
+    medians = paired(benchmark, calls, group=f"prefill {n} causal float16 / q8_0 KV, paired", threads=threads,
+                     rounds=8, skip=2)
+    if medians is None:
         return
     for kind in kv:
         benchmark.extra_info[f"{kind}_ms"] = round(medians[kind] * 1e3, 2)
-        benchmark.extra_info[f"{kind}_GFLOP/s"] = round(flops / medians[kind] / 1e9, 1)
+        benchmark.extra_info[f"{kind}_GFLOP/s"] = round(per_second(flops, medians[kind]), 1)
     benchmark.extra_info["q8_0/float16"] = round(medians["q8_0"] / medians["float16"], 3)
 
 
@@ -130,9 +114,9 @@ def test_rope_set_rows_q8_0_paired(benchmark, threads):
     calls = {"fused": lambda: fastattn.rope_set_rows(cache, x, pos, idx, **rope),
              "rope_ext + set_rows": lambda: fastattn.set_rows(flat, fastattn.rope_ext(x, pos, **rope)
                                                               .reshape(n, HKV * D), idx)}
-    medians = _interleaved(benchmark, calls, 30, f"rope_set_rows {n} x {HKV} x {D} f32 -> q8_0, paired", threads,
-                           0.0)
-    if benchmark.stats is None:
+    medians = paired(benchmark, calls, group=f"rope_set_rows {n} x {HKV} x {D} f32 -> q8_0, paired", threads=threads,
+                     rounds=30, skip=2)
+    if medians is None:
         return
     for name, seconds in medians.items():
         benchmark.extra_info[f"{name}_us"] = round(seconds * 1e6, 1)
@@ -166,9 +150,9 @@ def test_decode_writes_paired(benchmark):
             fastattn.set_rows(v_cache, v, idx)
 
     calls = {kind: (lambda kind=kind: steps(kind)) for kind in KINDS}
-    medians = _interleaved(benchmark, calls, 30, f"decode K and V writes, 1 token x {HKV} x {D}, f16 / q8_0 / q4_0",
-                           1, 0.0)
-    if benchmark.stats is None:
+    medians = paired(benchmark, calls, group=f"decode K and V writes, 1 token x {HKV} x {D}, f16 / q8_0 / q4_0",
+                     threads=1, rounds=30, skip=2)
+    if medians is None:
         return
     for kind, seconds in medians.items():
         benchmark.extra_info[f"{kind}_us_per_step"] = round(seconds / STEPS * 1e6, 2)

@@ -18,18 +18,17 @@ Run: ``python -m pytest bench/bench_rope.py --benchmark-columns=median,iqr,round
 """
 from __future__ import annotations
 
-import time
-
 import numba
 import numpy as np
 import pytest
-from conftest import THREADS, measure
+from conftest import THREADS, measure, paired
 from numba import prange
 
 import fastattn
 import fastattn.reference as ref
 from fastattn._core.kernel import kernel
 from fastattn.jobs import LAYER
+from fastattn.jobs.timing import Rounds
 
 N, H, H_KV, D = LAYER.n_prefill, LAYER.n_head, LAYER.n_head_kv, LAYER.head_dim
 BASE = LAYER.rope_base
@@ -89,21 +88,11 @@ def test_neox_out_of_place_vs_copy_paired(benchmark, threads):
     calls = {"copy": lambda: _copy_rows(x.reshape(N, H * D), out.reshape(N, H * D)),
              "rope_ext": lambda: fastattn.rope_ext(x, pos, **NEOX, out=out),
              "apply_rope_cache": lambda: fastattn.apply_rope_cache(x, cache, out=out)}
-    names = list(calls)
-    times: dict = {name: [] for name in names}
-
-    def all_three():
-        shift = len(times["copy"]) % len(names)
-        for name in names[shift:] + names[:shift]:
-            start = time.perf_counter()
-            calls[name]()
-            times[name].append(time.perf_counter() - start)
-
-    measure(benchmark, all_three, group=f"rope neox ({N},{H},{D}) f32 out of place vs copy, paired",
-            threads=threads, nbytes=6 * x.nbytes)  # three calls, each reading and writing x's bytes
-    if benchmark.stats is None:  # --benchmark-disable: one untimed round, no ratio to record
+    medians = paired(benchmark, calls, group=f"rope neox ({N},{H},{D}) f32 out of place vs copy, paired",
+                     threads=threads, nbytes=6 * x.nbytes)  # three calls, each reading and writing x's bytes
+    if medians is None:
         return
-    medians = {name: float(np.median(times[name][1:])) for name in names}
+    names = list(calls)
     for name in names:
         benchmark.extra_info[f"{name}_us"] = round(medians[name] * 1e6, 1)
     for name in names[1:]:
@@ -119,19 +108,18 @@ def test_neox_in_place_fused_qkv_paired(benchmark, threads):
     qkv = _data((N, (H + 2 * H_KV) * D))
     q = qkv[:, :H * D].reshape(N, H, D)
     pos = np.arange(N, dtype=np.int32)
-    times: dict = {"contiguous": [], "qkv": []}
+    timed = Rounds(["contiguous", "qkv"])
 
-    def both():
+    def both():  # the same order every round
         for name, a in (("contiguous", x), ("qkv", q)):
-            start = time.perf_counter()
-            fastattn.rope_ext(a, pos, **NEOX, out=a)
-            times[name].append(time.perf_counter() - start)
+            timed.time(name, fastattn.rope_ext, a, pos, **NEOX, out=a)
 
     measure(benchmark, both, group=f"rope neox ({N},{H},{D}) f32 in place, QKV view vs contiguous, paired",
             threads=threads, nbytes=4 * x.nbytes)  # two calls, each reading and writing x
     if benchmark.stats is None:  # --benchmark-disable: one untimed round, no ratio to record
         return
-    contiguous, fused = (float(np.median(times[k][1:])) for k in ("contiguous", "qkv"))
+    medians = timed.medians(skip=1)
+    contiguous, fused = medians["contiguous"], medians["qkv"]
     benchmark.extra_info["contiguous_us"] = round(contiguous * 1e6, 1)
     benchmark.extra_info["qkv_us"] = round(fused * 1e6, 1)
     benchmark.extra_info["qkv/contiguous"] = round(fused / contiguous, 3)

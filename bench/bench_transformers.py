@@ -15,11 +15,9 @@ Run: ``python -m pytest bench/bench_transformers.py --benchmark-columns=min,medi
 from __future__ import annotations
 
 import inspect
-import time
 
-import numpy as np
 import pytest
-from conftest import measure
+from conftest import measure, paired
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -90,20 +88,11 @@ def test_decode_per_token(benchmark, model, context, implementation):
 @pytest.mark.parametrize("context", CONTEXTS)
 def test_decode_per_token_paired(benchmark, model, context):
     decoders = {name: Decoder(model, context, ROUNDS + 3) for name in IMPLEMENTATIONS}
-    times: dict[str, list[float]] = {name: [] for name in IMPLEMENTATIONS}
-    turn = [0]
-
-    def one_round():
-        order = IMPLEMENTATIONS[turn[0] % 3:] + IMPLEMENTATIONS[:turn[0] % 3]
-        turn[0] += 1
-        for name in order:
-            start = time.perf_counter()
-            decoders[name].step(name)
-            times[name].append(time.perf_counter() - start)
-
-    measure(benchmark, one_round, group=f"transformers decode ctx {context} paired", threads=THREADS,
-            rounds=ROUNDS)
-    medians = {name: float(np.median(t[1:])) for name, t in times.items()}  # t[0]: measure's warm-up call
+    calls = {name: (lambda name=name: decoders[name].step(name)) for name in IMPLEMENTATIONS}
+    medians = paired(benchmark, calls, group=f"transformers decode ctx {context} paired", threads=THREADS,
+                     rounds=ROUNDS)
+    if medians is None:
+        return
     for name, median in medians.items():
         benchmark.extra_info[f"{name}_ms"] = round(median * 1e3, 3)
     benchmark.extra_info["sdpa/fastattn"] = round(medians["sdpa"] / medians["fastattn"], 3)

@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+from fastattn.jobs.report import markdown, markdown_row
+
 #: Setup shared by the "combinations" cases: bfloat16 and a K/V maker for any storage type.
 _COMBINATION = """
 import ml_dtypes
@@ -236,8 +238,8 @@ def main() -> None:
                                                    "rope, attention, quantized, combinations (default: all)")
     args = parser.parse_args()
     groups = {g for g in args.only.split(",") if g}
-    print(f"| first call ({args.threads} threads) | cold wall s | cold CPU s | kernels compiled (s) | warm wall s |")
-    print("| --- | --- | --- | --- | --- |")
+    print(markdown([f"first call ({args.threads} threads)", "cold wall s", "cold CPU s", "kernels compiled (s)",
+                    "warm wall s"]))
     started = time.perf_counter()
     for name, (group, setup) in CASES.items():
         if groups and group not in groups:
@@ -249,8 +251,8 @@ def main() -> None:
                 continue
             warm = run_case(setup, args.threads, cache_dir)
         kernels = ", ".join(f"{kernel} ({seconds})" for kernel, seconds in cold["kernels"])
-        print(f"| {name} | {cold['wall']:.1f} | {cold['cpu']:.1f} | {kernels} "
-              f"| {warm.get('wall', float('nan')):.2f} |", flush=True)
+        print(markdown_row([name, f"{cold['wall']:.1f}", f"{cold['cpu']:.1f}", kernels,
+                            f"{warm.get('wall', float('nan')):.2f}"]), flush=True)
     print(f"\n{time.perf_counter() - started:.0f} s in all", file=sys.stderr)
 
 

@@ -3,6 +3,8 @@
 Run: ``python -m pytest bench --benchmark-columns=median,iqr,rounds --benchmark-group-by=group``.
 Each benchmark is parametrised over implementation (reference / fast paths / torch) and thread count, put in one
 group per op and shape, and records its achieved GB/s or GFLOP/s in ``extra_info`` from the median time.
+pytest-benchmark times each benchmark; the paired ones (``paired``) also time their calls side by side inside each
+of its rounds with the main job's timing module (``fastattn.jobs.timing``), whose ``per_second`` gives every rate.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import threadpoolctl
 
 import fastattn
 from fastattn._core import threads as _threads
+from fastattn.jobs.timing import Rounds, per_second
 
 THREADS = [1, 2]
 
@@ -49,11 +52,24 @@ def measure(benchmark, fn, *, group: str, threads: int, nbytes: float = 0.0, flo
         return result
     median = benchmark.stats.stats.median
     if nbytes:
-        benchmark.extra_info["GB/s"] = round(nbytes / median / 1e9, 2)
+        benchmark.extra_info["GB/s"] = round(per_second(nbytes, median), 2)
     if flops:
-        benchmark.extra_info["GFLOP/s"] = round(flops / median / 1e9, 2)
+        benchmark.extra_info["GFLOP/s"] = round(per_second(flops, median), 2)
     benchmark.extra_info["median_us"] = round(median * 1e6, 2)
     return result
+
+
+def paired(benchmark, calls: dict, *, group: str, threads: int, nbytes: float = 0.0, rounds: int | None = None,
+           skip: int = 1, arguments=None) -> dict[str, float] | None:
+    """Time ``calls`` (name -> function) side by side: each round of ``measure`` calls each once, in an order that
+    rotates from round to round (``Rounds.run``, ``arguments`` as there). Returns each name's median seconds past
+    the first ``skip`` rounds (the first is ``measure``'s warm-up call), or None under --benchmark-disable."""
+    timed = Rounds(calls)
+    measure(benchmark, lambda: timed.run(calls, arguments), group=group, threads=threads, nbytes=nbytes,
+            rounds=rounds)
+    if benchmark.stats is None:  # --benchmark-disable: one untimed round, no medians to record
+        return None
+    return timed.medians(skip)
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@ The table has one row per target (``ROWS``) and thread count: the fast op's medi
 and one more baseline where the benchmark has one (a copy of the same bytes, the DRAM read probe, the unfused
 calls, ...), the ratio the target is about, the target and whether it is met. Targets are checked on the rows at
 the highest thread count in the file. A figure the file lacks (torch not installed, a case not run) reads "—"; an
-empty cell means the case has no such baseline.
+empty cell means the case has no such baseline. Times and tables are written by the main job's report module
+(``fastattn.jobs.report``: ``duration``, ``markdown``).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import json
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
+
+from fastattn.jobs.report import duration, markdown
 
 
 @dataclass(frozen=True)
@@ -174,17 +177,6 @@ def _seconds(bench: dict, key: str | None) -> float | None:
     return value * (1e-6 if key.endswith("_us") else 1e-3)
 
 
-def _time(seconds: float | None) -> str:
-    if seconds is None:
-        return "—"
-    if seconds < 1e-5:
-        return f"{seconds * 1e6:.2f} µs"
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.1f} µs"
-    ms = seconds * 1e3
-    return f"{ms:.3f} ms" if ms < 10 else f"{ms:.2f} ms" if ms < 100 else f"{ms:.1f} ms"
-
-
 def _ratio(row: Row, fast: float | None, base: float | None, label: str, given: float | None
            ) -> tuple[float | None, str]:
     if row.ratio is None:
@@ -202,6 +194,8 @@ def _ratio(row: Row, fast: float | None, base: float | None, label: str, given: 
 
 
 def table(data: dict) -> str:
+    """The table of docs/benchmarks.md from a pytest-benchmark JSON file: a line per ``ROWS`` entry and thread
+    count the file has the fast case of, the targets checked at the highest thread count."""
     by_name = {bench["name"].removeprefix("test_"): bench for bench in data["benchmarks"]}
     thread_counts = sorted({bench.get("extra_info", {}).get("threads", 0) for bench in data["benchmarks"]})
     top = thread_counts[-1] if thread_counts else 0
@@ -212,7 +206,7 @@ def table(data: dict) -> str:
         bench = by_name.get(pick.name.format(t=t))
         return True, (None if bench is None else _seconds(bench, pick.key))
 
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
+    body = []
     for row in ROWS:
         threaded = "{t}" in row.fast.name
         for t in (sorted(thread_counts, reverse=True) if threaded else [None]):
@@ -221,13 +215,13 @@ def table(data: dict) -> str:
                 continue
             threads = t if threaded else fast_bench.get("extra_info", {}).get("threads", top)
             fast = _seconds(fast_bench, row.fast.key)
-            cells = [row.op, row.shape, str(threads), _time(fast)]
+            cells = [row.op, row.shape, str(threads), duration(fast)]
             for pick in (row.reference, row.torch):
                 present, seconds = find(pick, threads)
-                cells.append(_time(seconds) if present else "")
+                cells.append(duration(seconds) if present else "")
             label, other = row.other if row.other else ("torch", row.torch)
             present, base = find(other, threads)
-            cells.append(f"{label} {_time(base)}" if present and row.other else "")
+            cells.append(f"{label} {duration(base)}" if present and row.other else "")
             given = fast_bench.get("extra_info", {}).get(row.ratio_key) if row.ratio_key else None
             value, text = _ratio(row, fast, base, label, given)
             cells.append(text)
@@ -240,8 +234,8 @@ def table(data: dict) -> str:
                     cells += [row.target, "yes" if (figure >= bound if sense == ">=" else figure <= bound) else "no"]
             else:
                 cells += ["", ""]
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            body.append(cells)
+    return markdown(COLUMNS, body)
 
 
 def cases(data: dict) -> str:
@@ -254,11 +248,9 @@ def cases(data: dict) -> str:
         rate = "; ".join(part for part in (rate, ratios) if part)
         groups[bench["group"] or ""].append((bench["name"].removeprefix("test_"), info.get("threads", 0),
                                              bench["stats"]["median"], rate))
-    lines = ["| group | case | threads | median | rate |", "| --- | --- | --- | --- | --- |"]
-    for group, entries in groups.items():
-        for label, threads, median, rate in sorted(entries, key=lambda e: (e[1], e[2])):
-            lines.append(f"| {group} | {label} | {threads} | {_time(median)} | {rate} |")
-    return "\n".join(lines)
+    return markdown(["group", "case", "threads", "median", "rate"],
+                    [(group, label, str(threads), duration(median), rate) for group, entries in groups.items()
+                     for label, threads, median, rate in sorted(entries, key=lambda e: (e[1], e[2]))])
 
 
 if __name__ == "__main__":

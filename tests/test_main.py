@@ -172,6 +172,50 @@ def test_a_round_slowed_after_the_sizing_call_ends_early():
     assert quick.calls >= 1
 
 
+def test_paired_rounds_rotate_their_order_and_time_only_the_calls():
+    """The benchmarks' side-by-side timing: each round starts one name later, the arguments are made outside the
+    call's time, and the medians leave out the warm-up rounds."""
+    import time
+
+    from fastattn.jobs.timing import Rounds, per_second
+
+    order = []
+
+    def call(name):
+        def record(*args):
+            order.append((name, args))
+            time.sleep(0.002 if name == "b" else 0)
+        return record
+
+    calls = {name: call(name) for name in "abc"}
+    timed = Rounds(calls)
+
+    def slow_arguments():
+        time.sleep(0.005)
+        return (1,)
+
+    for _ in range(4):
+        timed.run(calls, slow_arguments)
+    assert [name for name, _ in order] == list("abc" "bca" "cab" "abc")
+    assert all(args == (1,) for _, args in order)
+    medians = timed.medians(skip=1)
+    assert all(len(seconds) == 4 for seconds in timed.seconds.values())
+    assert medians["b"] >= 0.002 and medians["a"] < 0.002  # the 5 ms of making the arguments are not counted
+    assert Rounds(["x"]).rotated() == ["x"]
+    assert per_second(3e9, 1.5) == 2.0
+
+
+def test_the_benchmark_tables_write_times_with_their_unit_and_rows_as_markdown():
+    """bench/report.py's and bench/compile_times.py's cells and tables, written by the main job's report module."""
+    from fastattn.jobs.report import aligned, duration, markdown
+
+    assert [duration(s) for s in (2.07e-6, 3.586e-4, 1.0951e-3, 1.1744e-2, 0.2659, None)] == [
+        "2.07 µs", "358.6 µs", "1.095 ms", "11.74 ms", "265.9 ms", "—"]
+    assert markdown(["a", "b"], [("1", "")]) == "| a | b |\n| --- | --- |\n| 1 |  |"
+    assert markdown(["a"]) == "| a |\n| --- |"
+    assert aligned([("op", "ms"), ("rope_ext", "1.0")]) == ["op        ms", "--------  ---", "rope_ext  1.0"]
+
+
 def test_checks_refuse_a_result_of_another_shape():
     """A result that only broadcasts against the reference (a case that returned the wrong array) fails."""
     row = np.ones((1, 4), np.float32)

@@ -19,7 +19,7 @@ import numpy as np
 from .._core import threads as _threads
 from .checks import Check
 from .progress import CompileWatch, Progress
-from .timing import Timing, time_rounds
+from .timing import Timing, per_second, time_rounds
 
 #: The reference's timing budget as a share of the fast path's: its figure serves only as the speed-up's
 #: denominator, so half the calls read it well enough and save seconds of the job.
@@ -252,8 +252,8 @@ def _run_case(case: Case, n_threads: int, budget_s: float, rounds: int, watch: C
         references[key] = (reference_out, time_rounds(case.reference, budget, ref_rounds, once_s=once))
     reference_out, reference = references[key]
     verdict = case.check(fast_out, reference_out)
-    rate, unit = ((case.flops / fast.median_ms / 1e6, "GFLOP/s") if case.flops
-                  else (case.nbytes / fast.median_ms / 1e6, "GB/s"))
+    rate, unit = ((per_second(case.flops, fast.median_ms / 1e3), "GFLOP/s") if case.flops
+                  else (per_second(case.nbytes, fast.median_ms / 1e3), "GB/s"))
     return Result(case.op, case.shape, case.path, n_threads, verdict.error, verdict.bound, verdict.ok,
                   case.check.tolerance, reference.median_ms, fast.median_ms, first_ms,
                   reference.median_ms / fast.median_ms, rate, unit, reference.min_ms, fast.min_ms, fast.rounds,

@@ -1,8 +1,11 @@
-"""What the main job prints and writes: the table, its legend, the summary line, warnings, the JSON report."""
+"""What the main job prints and writes (the table, its legend, the summary line, warnings, the JSON report), and
+the table writers and time format the benchmarks' reports (bench/report.py, bench/compile_times.py) share with it.
+"""
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import asdict
+from typing import Iterable, Sequence
 
 from .._core import threads as _threads
 from . import DTYPES, REFERENCE_SHARE, Case, Result, coverage
@@ -29,6 +32,39 @@ rate      the fast median as GB/s (bytes read + written) or GFLOP/s (attention p
           they are then cached on disk) or loads them from Numba's cache, and picks the path."""
 
 
+def aligned(rows: Sequence[Sequence[str]], widths: Sequence[int] | None = None) -> list[str]:
+    """Rows of cells as plain-text lines, the first row the header, followed by a rule of dashes; each column
+    padded to ``widths`` (default: its widest cell), two spaces apart, trailing spaces dropped."""
+    if widths is None:
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def markdown_row(cells: Iterable[str]) -> str:
+    """One row of a markdown table (an empty cell reads ``|  |``)."""
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown(header: Sequence[str], rows: Iterable[Iterable[str]] = ()) -> str:
+    """A markdown table: the header row, its rule and one line per row (none: the header and rule alone)."""
+    return "\n".join([markdown_row(header), "|" + " --- |" * len(header)] + [markdown_row(row) for row in rows])
+
+
+def duration(seconds: float | None) -> str:
+    """A time for the benchmarks' tables, with its unit and 3-4 significant digits: ``2.07 µs``, ``358.6 µs``,
+    ``1.095 ms``, ``11.74 ms``, ``265.9 ms``; ``—`` for a figure that is missing (None)."""
+    if seconds is None:
+        return "—"
+    if seconds < 1e-5:
+        return f"{seconds * 1e6:.2f} µs"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} µs"
+    ms = seconds * 1e3
+    return f"{ms:.3f} ms" if ms < 10 else f"{ms:.2f} ms" if ms < 100 else f"{ms:.1f} ms"
+
+
 def _ms(value: float) -> str:
     return f"{value:.4f}" if value < 1 else f"{value:.3f}" if value < 100 else f"{value:.1f}"
 
@@ -52,9 +88,7 @@ def table(results: list[Result]) -> str:
     # a skipped row's reason runs on past its column rather than widening it
     widths = [max(len(row[i]) for row, r in zip(rows, [None] + results) if not (r and r.skipped and i == 6))
               for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join(aligned(rows, widths))
 
 
 def case_list(groups: list[str], cases: list[Case]) -> str:
@@ -65,10 +99,7 @@ def case_list(groups: list[str], cases: list[Case]) -> str:
     header = ("group", "op", "dtype", "mode", "shape", "path")
     rows = [header] + [(c.op_group, c.op, c.dtype or "-", c.mode or "-", c.shape,
                         c.path + (f" (skipped here: {c.skip})" if c.skip else "")) for c in cases]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [f"op groups (--ops): {', '.join(groups)}", ""]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(3, "  ".join("-" * w for w in widths))
+    lines = [f"op groups (--ops): {', '.join(groups)}", "", *aligned(rows)]
     missing = coverage(cases)
     ops = sorted({c.op for c in cases})
     dtypes = ", ".join(d for d in DTYPES if d not in missing["dtypes"]) or "none"

@@ -12,7 +12,6 @@ accumulators (8 ymm registers) in flight per thread.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +19,7 @@ from numba import prange
 
 from .._core import threads as _threads
 from .._core.kernel import kernel
+from .timing import fastest_call, per_second
 
 BUFFER_BYTES = 256 << 20
 #: The one-thread in-cache copy's working set: the size below which the ops run serially
@@ -94,16 +94,6 @@ def size_class(nbytes: float) -> int:
     return max(SERIAL_BYTES, 1 << max(0, math.ceil(math.log2(max(nbytes, 1)))))
 
 
-def _best_seconds(fn, repeats: int = 3) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def measure(threads: int, working_sets=()) -> Roofs:
     """Measure the roofs on ``threads`` threads (about 1 s, 512 MiB of memory); ``working_sets``: bytes per call
     of ops, for each of whose ``size_class`` that fits the last-level cache a copy is measured (``copy_at``)."""
@@ -114,16 +104,16 @@ def measure(threads: int, working_sets=()) -> Roofs:
     src = np.ones(n, np.float32)
     dst = np.empty_like(src)
     chunks = 16 * threads
-    copy_s = _best_seconds(lambda: _copy(src, dst, chunks))
-    read_s = _best_seconds(lambda: _read(src, chunks))
+    copy_s = fastest_call(lambda: _copy(src, dst, chunks))
+    read_s = fastest_call(lambda: _read(src, chunks))
     iterations = FMA_ITERATIONS // _LANES * 8
-    fma_s = _best_seconds(lambda: _fma(threads, iterations), repeats=2)
+    fma_s = fastest_call(lambda: _fma(threads, iterations), repeats=2)
     small = np.ones(CACHE_BYTES // 8, np.float32)
     small_dst = np.empty_like(small)
-    cache_s = _best_seconds(lambda: _copy(small, small_dst, chunks), repeats=50)
+    cache_s = fastest_call(lambda: _copy(small, small_dst, chunks), repeats=50)
     numba.set_num_threads(1)
     tiny, tiny_dst = small[:SERIAL_BYTES // 8], small_dst[:SERIAL_BYTES // 8]
-    serial_s = _best_seconds(lambda: _copy(tiny, tiny_dst, 1), repeats=200)
+    serial_s = fastest_call(lambda: _copy(tiny, tiny_dst, 1), repeats=200)
     numba.set_num_threads(threads)
     from .machine import last_level_cache_bytes
 
@@ -132,7 +122,7 @@ def measure(threads: int, working_sets=()) -> Roofs:
     for size in sorted({size_class(w) for w in working_sets if w <= (llc or CACHE_BYTES)}):
         if size <= BUFFER_BYTES:
             a, b = src[:size // 8], dst[:size // 8]
-            copy_at[size] = size / _best_seconds(lambda: _copy(a, b, chunks), repeats=30) / 1e9
-    return Roofs(threads, 2 * BUFFER_BYTES / copy_s / 1e9, BUFFER_BYTES / read_s / 1e9,
-                 2 * _LANES * iterations * threads / fma_s / 1e9, CACHE_BYTES / cache_s / 1e9, CACHE_BYTES,
-                 SERIAL_BYTES / serial_s / 1e9, SERIAL_BYTES, llc, copy_at)
+            copy_at[size] = per_second(size, fastest_call(lambda: _copy(a, b, chunks), repeats=30))
+    return Roofs(threads, per_second(2 * BUFFER_BYTES, copy_s), per_second(BUFFER_BYTES, read_s),
+                 per_second(2 * _LANES * iterations * threads, fma_s), per_second(CACHE_BYTES, cache_s), CACHE_BYTES,
+                 per_second(SERIAL_BYTES, serial_s), SERIAL_BYTES, llc, copy_at)
