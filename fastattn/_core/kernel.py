@@ -371,8 +371,32 @@ WORK_UNITS: list = []
 _any_layout_entries: dict = {}
 
 
+def _arg_key(a, strided: bool):
+    """What ``typeof`` reads of one argument: an array's dtype, axes and flags (at a strided position its layout
+    and writeability are not part of the key: it is typed 'A' and writeable whatever they are), a tuple's
+    class and elements' keys (parameter groups), any other value's class."""
+    if isinstance(a, np.ndarray):
+        flags = a.flags
+        if strided:
+            return a.dtype, a.ndim, flags.aligned
+        return a.dtype, a.ndim, flags.writeable, flags.aligned, flags.c_contiguous, flags.f_contiguous
+    if isinstance(a, tuple):
+        return (type(a),) + tuple(_arg_key(e, strided) for e in a)
+    return type(a)
+
+
+def _any_layout_type(t):
+    """``t`` with every array in it (a tuple's elements included) typed any layout and writeable."""
+    if isinstance(t, types.Array):
+        return t.copy(layout="A", readonly=False)
+    if isinstance(t, types.BaseTuple):
+        return types.BaseTuple.from_types([_any_layout_type(e) for e in t], getattr(t, "instance_class", tuple))
+    return t
+
+
 def call_any_layout(dispatcher, strided, *args, unit=None):
-    """Call ``dispatcher`` with the arrays at positions ``strided`` typed as any layout ('A') and writeable.
+    """Call ``dispatcher`` with the arrays at positions ``strided`` (arrays, or tuples holding arrays: parameter
+    groups) typed as any layout ('A') and writeable.
 
     Numba would otherwise compile one specialisation (seconds each) per combination of contiguous and strided
     inputs; kernels that read their inputs through strides need only one per dtype combination. The other
@@ -385,20 +409,11 @@ def call_any_layout(dispatcher, strided, *args, unit=None):
     """
     key = [dispatcher]
     for i, a in enumerate(args):  # a plain loop, one flags object per array: decode calls build this key each time
-        if isinstance(a, np.ndarray):
-            flags = a.flags
-            # what typeof reads: the strided positions are typed 'A' and writeable whatever their layout and
-            # flags, so their contiguity and writeability are not part of the key; the others are typed C, F or
-            # A from both contiguity flags
-            key.append((a.dtype, a.ndim, flags.aligned) if i in strided
-                       else (a.dtype, a.ndim, flags.writeable, flags.aligned, flags.c_contiguous, flags.f_contiguous))
-        else:
-            key.append(type(a))
+        key.append(_arg_key(a, i in strided))
     key = tuple(key)
     cached = _any_layout_entries.get(key)
     if cached is None:
-        signature = tuple(t.copy(layout="A", readonly=False) if i in strided and isinstance(t, types.Array)
-                          else t for i, t in enumerate(map(typeof, args)))
+        signature = tuple(_any_layout_type(t) if i in strided else t for i, t in enumerate(map(typeof, args)))
         handle = None
         if unit is not None:
             unit_kernel, shared, extra = unit
