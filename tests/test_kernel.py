@@ -1,4 +1,5 @@
 """The shared kernel plumbing: half-precision conversions, the polynomial exp, compile flags."""
+import collections
 import re
 import subprocess
 import sys
@@ -208,6 +209,33 @@ def test_call_any_layout_keys_every_layout_it_types():
             call_any_layout(_weighted_sum, (0,), strided, plain, out)
             i, j = np.indices(plain.shape)
             assert out[0] == pytest.approx(np.sum(strided * (i + 1) + plain * (j + 1)))
+
+
+_Group = collections.namedtuple("_Group", "values scale")
+
+
+@kernel
+def _group_sum(group, extra, out):
+    """sum(group.values) * group.scale + extra[0]: a parameter group (named tuple) holding an array and a scalar."""
+    total = 0.0
+    for i in range(group.values.shape[0]):
+        for j in range(group.values.shape[1]):
+            total += group.values[i, j]
+    out[0] = total * group.scale + extra[0]
+
+
+def test_call_any_layout_keys_parameter_groups_by_their_elements():
+    """A tuple argument is keyed by its class and its elements: arrays of other dtypes or layouts and scalars of
+    other types inside it get entries of their own (one shared key would run code compiled for other types)."""
+    values = np.arange(12.0).reshape(3, 4)
+    for group in (_Group(values, 2.0), _Group(values.astype(np.float32), np.float32(2.0)),
+                  _Group(values[:, ::2], 2), _Group(np.asfortranarray(values), 0.5)):
+        out = np.zeros(1)
+        call_any_layout(_group_sum, (0,), group, np.array([1.0]), out)
+        assert out[0] == np.sum(group[0], dtype=np.float64) * group[1] + 1.0
+    # float64 values of every layout with a float scale, with an int scale, float32 values with a float32 scale
+    assert len(_group_sum.signatures) == 3
+    assert all(sig[0].types[0].layout == "A" for sig in _group_sum.signatures)
 
 
 @kernel
