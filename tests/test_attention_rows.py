@@ -10,7 +10,6 @@ import fastattn
 from fastattn import reference
 from fastattn.attention import rows as _attention_rows
 from fastattn.attention.rows import axpy1, axpy4, axpy4x2, axpy4x4, dot1, dot4, dot4x2
-from fastattn._core import validate as _validate
 from fastattn._core.kernel import kernel_view
 from strategies import BFLOAT16
 
@@ -53,7 +52,6 @@ def _updates_by_one_head(A, p, vf, offsets, vcs):
 def _rows(rng, n, width, stride, dtype):
     """A flat 1-D C array holding n rows of ``width`` values at column stride ``stride`` (as the kernels see it),
     the rows' offsets and their values in float64."""
-    _validate.admit_bfloat16(np.dtype(dtype))
     flat = rng.standard_normal(3 + n * width * stride).astype(dtype)
     offsets = np.array([3 + r * width * stride for r in range(n)], np.int64)
     values = np.stack([flat[o:o + width * stride:stride] for o in offsets]).astype(np.float64)

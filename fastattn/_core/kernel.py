@@ -70,14 +70,20 @@ def kernel(fn=None, *, parallel: bool = False, inline: bool = False, llvm_inline
 # Python side: how an array of a given dtype is handed to a kernel.
 FLOAT32 = np.dtype(np.float32)
 FLOAT16 = np.dtype(np.float16)
-#: dtype -> the integer dtype a kernel sees instead (bfloat16 joins it at its first sight: ``_core.validate``)
+#: dtype -> the integer dtype a kernel sees instead (``_core.validate.half_view``; bfloat16 is told by its name)
 HALF_VIEW = _validate.HALF_VIEW
+_BFLOAT16_VIEW = _validate.BFLOAT16_VIEW
 
 
 def kernel_view(a: np.ndarray) -> np.ndarray:
     """The view of ``a`` a kernel can type: float32 as is, float16 as uint16 bits, bfloat16 as int16 bits."""
-    view = HALF_VIEW.get(a.dtype)  # one dict probe: this runs several times per decode-sized call
-    return a if view is None else a.view(view)
+    dtype = a.dtype
+    view = HALF_VIEW.get(dtype)  # one dict probe: this runs several times per decode-sized call
+    if view is None:
+        if dtype.kind != "V" or not _validate.is_bfloat16(dtype):
+            return a
+        view = _BFLOAT16_VIEW
+    return a.view(view)
 
 
 # ---------------------------------------------------------------------------------------------------------------

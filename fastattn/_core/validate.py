@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import sys
-import threading
 from typing import Iterable
 
 import numpy as np
@@ -18,16 +17,16 @@ FLOAT16 = np.dtype(np.float16)
 FLOAT64 = np.dtype(np.float64)
 #: The largest finite float32: scalars the kernels use in float32 must stay within it.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
-#: float32, float16, and bfloat16 from its first sight on (``admit_bfloat16``). fastattn does not import ml_dtypes,
-#: whose import takes over a second (most of ``import fastattn`` else): no bfloat16 array exists before something
-#: has imported it, so the check that misses one admits it then. One list, read by every check, so they all see it.
-STORAGE_FLOATS: list[np.dtype] = [FLOAT32, FLOAT16]
-#: STORAGE_FLOATS as a set, for the parsers' one-probe checks.
-STORAGE_FLOAT_SET: set[np.dtype] = set(STORAGE_FLOATS)
-#: dtype -> the integer dtype a kernel sees instead (``_core.kernel.kernel_view``): float16 as uint16 bits, bfloat16
-#: (once admitted) as int16 bits; float32 and other Numba-typable dtypes are absent.
+#: The storage dtypes NumPy itself has. ml_dtypes' bfloat16 is a storage dtype too, recognised by ``is_bfloat16``:
+#: fastattn does not import ml_dtypes, whose import takes over a second (most of ``import fastattn`` else).
+STORAGE_FLOATS: tuple[np.dtype, ...] = (FLOAT32, FLOAT16)
+#: STORAGE_FLOATS as a set, for the parsers' one-probe checks (a miss goes on to the full check).
+STORAGE_FLOAT_SET: frozenset[np.dtype] = frozenset(STORAGE_FLOATS)
+#: dtype -> the integer dtype a kernel sees instead (``_core.kernel.kernel_view``): float16 as uint16 bits
+#: (bfloat16, recognised by ``is_bfloat16``, as int16 bits); float32 and other Numba-typable dtypes are absent.
 HALF_VIEW: dict[np.dtype, np.dtype] = {FLOAT16: np.dtype(np.uint16)}
-_admit_lock = threading.Lock()
+#: The integer dtype a kernel sees for bfloat16.
+BFLOAT16_VIEW = np.dtype(np.int16)
 
 
 def bfloat16() -> np.dtype | None:
@@ -37,24 +36,17 @@ def bfloat16() -> np.dtype | None:
 
 
 def is_bfloat16(dtype) -> bool:
-    """Whether ``dtype`` is ml_dtypes' bfloat16 (False while ml_dtypes is not imported: a dtype compares equal to
-    None when it is float64, NumPy's default, so None is tested first)."""
-    bf16 = bfloat16()
-    return bf16 is not None and dtype == bf16
+    """Whether ``dtype`` (a numpy.dtype) is ml_dtypes' bfloat16, told from its kind, name and size without
+    importing ml_dtypes (no bfloat16 array exists before something else has imported it)."""
+    return getattr(dtype, "kind", None) == "V" and dtype.name == "bfloat16" and dtype.itemsize == 2
 
 
-def admit_bfloat16(dtype) -> bool:
-    """Whether ``dtype`` is bfloat16; at its first sight it joins STORAGE_FLOATS, STORAGE_FLOAT_SET and HALF_VIEW.
-    For checks that found ``dtype`` missing from STORAGE_FLOATS."""
-    if not is_bfloat16(dtype):
-        return False
-    bf16 = bfloat16()
-    with _admit_lock:
-        if bf16 not in STORAGE_FLOAT_SET:
-            HALF_VIEW[bf16] = np.dtype(np.int16)
-            STORAGE_FLOAT_SET.add(bf16)
-            STORAGE_FLOATS.append(bf16)
-    return True
+def half_view(dtype: np.dtype) -> np.dtype | None:
+    """The integer dtype a kernel sees for ``dtype`` (float16: uint16, bfloat16: int16), None for the others."""
+    view = HALF_VIEW.get(dtype)
+    if view is None and dtype.kind == "V" and is_bfloat16(dtype):
+        return BFLOAT16_VIEW
+    return view
 
 
 INDEX_INTS = (np.dtype(np.int32), np.dtype(np.int64))
@@ -62,8 +54,8 @@ INDEX_INTS = (np.dtype(np.int32), np.dtype(np.int64))
 
 def _names(dtypes: Iterable[np.dtype]) -> str:
     names = [str(np.dtype(d)) for d in dtypes]
-    if dtypes is STORAGE_FLOATS and "bfloat16" not in names:
-        names.append("bfloat16")  # accepted too: admitted at its first sight
+    if dtypes is STORAGE_FLOATS:
+        names.append("bfloat16")  # accepted too (``is_bfloat16``)
     return " or ".join(names)
 
 
@@ -76,7 +68,7 @@ def array(name: str, a, *, dtypes: Iterable[np.dtype], ndim: int | None = None, 
         dtypes = tuple(dtypes)
     if not isinstance(a, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray of {_names(dtypes)}, got {type(a).__name__}")
-    if a.dtype not in dtypes and not (dtypes is STORAGE_FLOATS and admit_bfloat16(a.dtype)):
+    if a.dtype not in dtypes and not (dtypes is STORAGE_FLOATS and is_bfloat16(a.dtype)):
         raise TypeError(f"{name} must have dtype {_names(dtypes)}, got {a.dtype}")
     if ndim is not None and a.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} axes, got shape {a.shape}")

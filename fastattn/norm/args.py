@@ -11,7 +11,7 @@ import numpy as np
 from .._core import validate as _validate
 from .._core.validate import FLOAT64, STORAGE_FLOATS
 
-_FLOATS = _validate.STORAGE_FLOAT_SET  # bfloat16 joins it at its first sight
+_FLOATS = _validate.STORAGE_FLOAT_SET  # bfloat16 misses it and takes the full check
 _MAX_FLOAT = float(np.finfo(np.float64).max)
 
 

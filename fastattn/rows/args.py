@@ -16,7 +16,7 @@ from .._core import validate as _validate
 from ..quant.blocks import Quantized
 from .._core.validate import INDEX_INTS, STORAGE_FLOATS
 
-_FLOATS = _validate.STORAGE_FLOAT_SET  # bfloat16 joins it at its first sight
+_FLOATS = _validate.STORAGE_FLOAT_SET  # bfloat16 misses it and takes the full check
 _INTS = frozenset(INDEX_INTS)
 
 
