@@ -375,6 +375,7 @@ WORK_UNITS: list = []
 
 
 _any_layout_entries: dict = {}
+_ND = np.ndarray
 
 
 def _arg_key(a, strided: bool):
@@ -415,7 +416,12 @@ def call_any_layout(dispatcher, strided, *args, unit=None):
     """
     key = [dispatcher]
     for i, a in enumerate(args):  # a plain loop, one flags object per array: decode calls build this key each time
-        key.append(_arg_key(a, i in strided))
+        if a.__class__ is _ND:  # _arg_key's first case, inline: the common argument
+            flags = a.flags
+            key.append((a.dtype, a.ndim, flags.aligned) if i in strided else
+                       (a.dtype, a.ndim, flags.writeable, flags.aligned, flags.c_contiguous, flags.f_contiguous))
+        else:
+            key.append(_arg_key(a, i in strided))
     key = tuple(key)
     cached = _any_layout_entries.get(key)
     if cached is None:
