@@ -39,9 +39,9 @@ from .._core.validate import STORAGE_FLOATS
 
 __all__ = ["RopeCache", "rope_cache", "apply_rope_cache", "rope_ext", "rope_set_rows", "apply_rope_cache_set_rows"]
 
-#: ``drive_fused``'s array arguments typed as any layout (x, out, idx, pos and the table's arrays): one compiled
-#: ``_fused_tasks`` for contiguous and strided calls; the other drivers' calls mark theirs the same way.
-_FUSED_ARRAYS = argument_positions(drive_fused, "x", "out", "idx", "pos", "streams", "w", "step_cos", "step_sin")
+#: ``drive_fused``'s array arguments typed as any layout (x, out, idx, pos and the pair table's arrays): one
+#: compiled ``_fused_tasks`` for contiguous and strided calls; the other drivers' calls mark theirs the same way.
+_FUSED_ARRAYS = argument_positions(drive_fused, "x", "out", "idx", "pos", "table")
 #: The cached drivers' arrays typed any layout: x, out and the cos/sin table, and idx when there is one.
 _CACHED_ARRAYS = argument_positions(drive_serial, "x", "out", "cs")
 _CACHED_INDEXED_ARRAYS = argument_positions(drive_serial, "x", "out", "idx", "cs")
@@ -166,16 +166,13 @@ def _write_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, params: _args.
             call_any_layout(drive_parallel, _CACHED_INDEXED_ARRAYS, x1, dk, idx, keep, cs, n_pairs, interleaved,
                             False, layout, next_task, launch.n, unit=CACHED_UNIT)
         else:
-            table = params.table
-            call_any_layout(drive_fused, _FUSED_ARRAYS, x1, dk, idx, keep, pos, table.streams, table.w,
-                            table.step_cos, table.step_sin, table.cos_scale, table.sin_scale, interleaved, False,
+            call_any_layout(drive_fused, _FUSED_ARRAYS, x1, dk, idx, keep, pos, params.table, interleaved, False,
                             layout, next_task, launch.n, unit=FUSED_UNIT)
 
 
 #: Positions of rope_quantize_fused's arguments typed any layout: x, the cache's bytes, idx, the positions and the
-#: table's arrays (as ``build_cs`` and the float drivers pass them: they share ``cache_block``'s compilation).
-_FUSED_QUANTIZED_ARRAYS = argument_positions(rope_quantize_fused, "x", "data", "idx", "pos", "streams", "w",
-                                             "step_cos", "step_sin")
+#: pair table's arrays (as ``build_cs`` and the float drivers pass them: they share ``cache_block``'s compilation).
+_FUSED_QUANTIZED_ARRAYS = argument_positions(rope_quantize_fused, "x", "data", "idx", "pos", "table")
 #: The quantized drivers' arrays typed any layout: x, the cache's bytes and idx.
 _QUANTIZED_ARRAYS = argument_positions(rope_quantize_serial, "x", "data", "idx")
 
@@ -200,10 +197,8 @@ def _write_quantized(dst: Quantized, data3: np.ndarray, x: np.ndarray, idx: np.n
             call_any_layout(rope_quantize_serial, _QUANTIZED_ARRAYS, xk, data3, idx, np.ones(n_tokens, np.bool_),
                             cs, params.pairing[0], params.pairing[1], layout, code)
         elif cs is None:  # the tasks make their own cos/sin rows
-            table = params.table
             call_any_layout(rope_quantize_fused, _FUSED_QUANTIZED_ARRAYS, xk, data3, idx, _last_of_duplicates(idx),
-                            streams, table.streams, table.w, table.step_cos, table.step_sin, table.cos_scale,
-                            table.sin_scale, params.pairing[1], layout, code, np.zeros(1, np.int64), launch.n,
+                            streams, params.table, params.pairing[1], layout, code, np.zeros(1, np.int64), launch.n,
                             unit=FUSED_QUANTIZED_UNIT)
         else:
             call_any_layout(rope_quantize_parallel, _QUANTIZED_ARRAYS, xk, data3, idx, _last_of_duplicates(idx),
@@ -255,10 +250,8 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
         if n_threads > 1 and x4 is not None and y4 is not None:  # one pass: cos/sin made per block of tokens
             xk = kernel_view(x4)
             yk = xk if y is x else kernel_view(y4)
-            table = params.table
             with _threads.team("rope_ext", nbytes, n_threads) as launch:
-                call_any_layout(drive_fused, _FUSED_ARRAYS, xk, yk, None, None, streams, table.streams, table.w,
-                                table.step_cos, table.step_sin, table.cos_scale, table.sin_scale,
+                call_any_layout(drive_fused, _FUSED_ARRAYS, xk, yk, None, None, streams, params.table,
                                 params.interleaved, y is x, token_layout(xk, yk), np.zeros(1, np.int64), launch.n,
                                 unit=FUSED_UNIT)
             return y
