@@ -111,7 +111,9 @@ def _follows(pos, n):
 def cache_block(pos, table, cs, n0, n1):
     """cs[n - n0] = cos then sin (float32) of token n, for n0 <= n < n1 (float64 cos/sin kept in c64/s64), from
     the pair table ``table`` (``rope.pairs.PairTable``)."""
-    n_pairs = table.w.shape[0]
+    # the arrays read once, not in the token loop, where each read would take and drop a reference
+    streams, w, step_cos, step_sin = table.streams, table.w, table.step_cos, table.step_sin
+    n_pairs = w.shape[0]
     theta = np.empty(n_pairs)
     c64 = np.empty(n_pairs)
     s64 = np.empty(n_pairs)
@@ -120,10 +122,10 @@ def cache_block(pos, table, cs, n0, n1):
             for p in range(n_pairs):
                 c = c64[p]
                 s = s64[p]
-                c64[p] = c * table.step_cos[p] - s * table.step_sin[p]
-                s64[p] = s * table.step_cos[p] + c * table.step_sin[p]
+                c64[p] = c * step_cos[p] - s * step_sin[p]
+                s64[p] = s * step_cos[p] + c * step_sin[p]
         else:
-            _direct_row(pos, n, table.streams, table.w, theta, c64, s64)
+            _direct_row(pos, n, streams, w, theta, c64, s64)
         # Two loops, not one storing both halves: LLVM's overlap checks for the two stores into one row send the
         # joint loop to its scalar version (512 tokens x 64 pairs: 18 us as one loop, 4.5 us as two).
         row = cs[n - n0]
