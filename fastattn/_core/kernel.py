@@ -387,8 +387,11 @@ def _arg_key(a, strided: bool):
         if strided:
             return a.dtype, a.ndim, flags.aligned
         return a.dtype, a.ndim, flags.writeable, flags.aligned, flags.c_contiguous, flags.f_contiguous
-    if isinstance(a, tuple):
-        return (type(a),) + tuple(_arg_key(e, strided) for e in a)
+    if isinstance(a, tuple):  # a loop, not a generator: a decode call builds the keys of its groups each time
+        key = [type(a)]
+        for e in a:
+            key.append(_arg_key(e, strided))
+        return tuple(key)
     return type(a)
 
 

@@ -30,8 +30,8 @@ from numba.extending import intrinsic, overload
 
 from .._core import layout as _layout
 from .._core import threads as _threads
-from .._core.kernel import (EXACT, f16_bits_to_f32, f32_to_f16_bits, any_layout, assume_contiguous, call_any_layout,
-                           kernel, kernel_view, to_f32)
+from .._core.kernel import (EXACT, f16_bits_to_f32, f32_to_f16_bits, any_layout, argument_positions,
+                           assume_contiguous, call_any_layout, kernel, kernel_view, to_f32)
 from .blocks import BLOCK, BLOCK_BYTES, QTYPE_CODES, Quantized, quantized_array, values_array
 from .._core.simd import (KERNEL_DTYPES, LANES, V8, as_int64, block_scale, block_values, const, load1, load8, shuffle,
                           splat)
@@ -458,6 +458,12 @@ def _dequantize_parallel(data, out):
         widen_blocks(assume_contiguous(data[r]), 0, out.shape[1], assume_contiguous(out[r]), 0)
 
 
+#: The (de)quantizers' input typed any layout (the values to quantize, the blocks to dequantize): one compilation
+#: for contiguous and strided inputs; the outputs are new C-contiguous arrays.
+_QUANTIZE_ARRAYS = argument_positions(_quantize_serial, "x")
+_DEQUANTIZE_ARRAYS = argument_positions(_dequantize_serial, "data")
+
+
 def _row_pairs(a: np.ndarray, b: np.ndarray) -> list:
     """(a rows, b rows): views of ``a`` and ``b`` (same leading shape) with their leading axes merged into one."""
     if a.ndim == 1:
@@ -477,7 +483,7 @@ def quantize(x: np.ndarray, qtype: str) -> Quantized:
     nbytes = x.size * (x.itemsize + 1)
     with _threads.team("quantize", nbytes, _threads.threads_for(nbytes)) as launch:
         for xr, dr in _row_pairs(kernel_view(x), data):
-            call_any_layout(_quantize_parallel if launch.n > 1 else _quantize_serial, (0,), xr, dr, code)
+            call_any_layout(_quantize_parallel if launch.n > 1 else _quantize_serial, _QUANTIZE_ARRAYS, xr, dr, code)
     return Quantized(data, qtype)
 
 
@@ -487,5 +493,5 @@ def dequantize(a: Quantized) -> np.ndarray:
     out = np.empty(a.shape, np.float32)
     with _threads.team("dequantize", out.size * 5, _threads.threads_for(out.size * 5)) as launch:
         for dr, orow in _row_pairs(bytes_view(a), out):
-            call_any_layout(_dequantize_parallel if launch.n > 1 else _dequantize_serial, (0,), dr, orow)
+            call_any_layout(_dequantize_parallel if launch.n > 1 else _dequantize_serial, _DEQUANTIZE_ARRAYS, dr, orow)
     return out

@@ -39,9 +39,9 @@ from .._core.validate import STORAGE_FLOATS
 
 __all__ = ["RopeCache", "rope_cache", "apply_rope_cache", "rope_ext", "rope_set_rows", "apply_rope_cache_set_rows"]
 
-#: ``drive_fused``'s array arguments typed as any layout (x, out, idx, pos and the table's arrays): one compiled
-#: ``_fused_tasks`` for contiguous and strided calls; the other drivers' calls mark theirs the same way.
-_FUSED_ARRAYS = argument_positions(drive_fused, "x", "out", "idx", "pos", "streams", "w", "step_cos", "step_sin")
+#: ``drive_fused``'s array arguments typed as any layout (x, out, idx, pos and the pair table's arrays): one
+#: compiled ``_fused_tasks`` for contiguous and strided calls; the other drivers' calls mark theirs the same way.
+_FUSED_ARRAYS = argument_positions(drive_fused, "x", "out", "idx", "pos", "table")
 #: The cached drivers' arrays typed any layout: x, out and the cos/sin table, and idx when there is one.
 _CACHED_ARRAYS = argument_positions(drive_serial, "x", "out", "cs")
 _CACHED_INDEXED_ARRAYS = argument_positions(drive_serial, "x", "out", "idx", "cs")
@@ -57,8 +57,8 @@ class RopeCache:
 
     cs: np.ndarray
     params: _args.RopeParams
-    #: (n_pairs, interleaved, min_head_dim, exact_head_dim): ``_args.rope.RopeParams.pairing``
-    pairing: tuple[int, bool, int, bool]
+    #: how the table applies to a head (``rope.args.Pairing``)
+    pairing: _args.Pairing
 
     @property
     def n_tokens(self) -> int:
@@ -66,11 +66,11 @@ class RopeCache:
 
     @property
     def cos(self) -> np.ndarray:
-        return self.cs[:, :self.pairing[0]]
+        return self.cs[:, :self.pairing.n_pairs]
 
     @property
     def sin(self) -> np.ndarray:
-        return self.cs[:, self.pairing[0]:]
+        return self.cs[:, self.pairing.n_pairs:]
 
 
 def _params(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast, beta_slow,
@@ -108,7 +108,7 @@ def _as_4d(a: np.ndarray) -> np.ndarray | None:
         return None
 
 
-def _rotate(x: np.ndarray, out: np.ndarray, cs: np.ndarray, pairing: tuple) -> None:
+def _rotate(x: np.ndarray, out: np.ndarray, cs: np.ndarray, pairing: _args.Pairing) -> None:
     """out = the rotation of x (..., N, H, D) by the table cs (out may be x) (leading axes that do not merge: one
     call per leading index, no copy)."""
     x4, out4 = _as_4d(x), _as_4d(out)
@@ -118,16 +118,15 @@ def _rotate(x: np.ndarray, out: np.ndarray, cs: np.ndarray, pairing: tuple) -> N
         return
     xk = kernel_view(x4)
     ok = xk if out is x else kernel_view(out4)
-    n_pairs, interleaved = pairing[0], pairing[1]
     nbytes = 2 * x.nbytes
     n_threads = _threads.threads_for(nbytes) if nbytes >= _threads.PARALLEL_MIN_BYTES and xk.shape[1] > 1 else 1
-    flags = (interleaved, out is x, token_layout(xk, ok))
+    flags = (pairing.interleaved, out is x, token_layout(xk, ok))
     with _threads.team("apply_rope_cache", nbytes, n_threads) as launch:
         if launch.n > 1:
-            call_any_layout(drive_parallel, _CACHED_ARRAYS, xk, ok, None, None, cs, n_pairs, *flags,
+            call_any_layout(drive_parallel, _CACHED_ARRAYS, xk, ok, None, None, cs, pairing.n_pairs, *flags,
                             np.zeros(1, np.int64), launch.n, unit=CACHED_UNIT)
         else:
-            call_any_layout(drive_serial, _CACHED_ARRAYS, xk, ok, None, None, cs, n_pairs, *flags)
+            call_any_layout(drive_serial, _CACHED_ARRAYS, xk, ok, None, None, cs, pairing.n_pairs, *flags)
 
 
 def _last_of_duplicates(idx: np.ndarray) -> np.ndarray:
@@ -150,7 +149,7 @@ def _write_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, params: _args.
     xk, dk = kernel_view(x), kernel_view(dst3)
     nbytes = x.nbytes + x.size * dst3.itemsize
     n_threads = _threads.threads_for(nbytes) if n_tokens > 1 and nbytes >= _threads.PARALLEL_MIN_BYTES else 1
-    n_pairs, interleaved = params.pairing[0], params.pairing[1]
+    n_pairs, interleaved = params.pairing.n_pairs, params.pairing.interleaved
     layout = token_layout(xk, dk)
     x1 = xk[None]  # (1, N, H, D): the drivers step through axis 1
     with _threads.team("rope_set_rows", nbytes, n_threads) as launch:
@@ -166,16 +165,13 @@ def _write_rows(dst3: np.ndarray, x: np.ndarray, idx: np.ndarray, params: _args.
             call_any_layout(drive_parallel, _CACHED_INDEXED_ARRAYS, x1, dk, idx, keep, cs, n_pairs, interleaved,
                             False, layout, next_task, launch.n, unit=CACHED_UNIT)
         else:
-            table = params.table
-            call_any_layout(drive_fused, _FUSED_ARRAYS, x1, dk, idx, keep, pos, table.streams, table.w,
-                            table.step_cos, table.step_sin, table.cos_scale, table.sin_scale, interleaved, False,
+            call_any_layout(drive_fused, _FUSED_ARRAYS, x1, dk, idx, keep, pos, params.table, interleaved, False,
                             layout, next_task, launch.n, unit=FUSED_UNIT)
 
 
 #: Positions of rope_quantize_fused's arguments typed any layout: x, the cache's bytes, idx, the positions and the
-#: table's arrays (as ``build_cs`` and the float drivers pass them: they share ``cache_block``'s compilation).
-_FUSED_QUANTIZED_ARRAYS = argument_positions(rope_quantize_fused, "x", "data", "idx", "pos", "streams", "w",
-                                             "step_cos", "step_sin")
+#: pair table's arrays (as ``build_cs`` and the float drivers pass them: they share ``cache_block``'s compilation).
+_FUSED_QUANTIZED_ARRAYS = argument_positions(rope_quantize_fused, "x", "data", "idx", "pos", "table")
 #: The quantized drivers' arrays typed any layout: x, the cache's bytes and idx.
 _QUANTIZED_ARRAYS = argument_positions(rope_quantize_serial, "x", "data", "idx")
 
@@ -189,6 +185,7 @@ def _write_quantized(dst: Quantized, data3: np.ndarray, x: np.ndarray, idx: np.n
     nbytes = x.nbytes + x.size
     n_threads = _threads.threads_for(nbytes) if n_tokens > 1 else 1
     code = QTYPE_CODES[dst.qtype]
+    n_pairs, interleaved = params.pairing.n_pairs, params.pairing.interleaved
     if cs is None and n_threads == 1:  # on threads the tasks make their own rows (rope_quantize_fused)
         cs = build_cs(streams, params)
     xk = kernel_view(x)
@@ -198,16 +195,14 @@ def _write_quantized(dst: Quantized, data3: np.ndarray, x: np.ndarray, idx: np.n
             if cs is None:
                 cs = build_cs(streams, params)
             call_any_layout(rope_quantize_serial, _QUANTIZED_ARRAYS, xk, data3, idx, np.ones(n_tokens, np.bool_),
-                            cs, params.pairing[0], params.pairing[1], layout, code)
+                            cs, n_pairs, interleaved, layout, code)
         elif cs is None:  # the tasks make their own cos/sin rows
-            table = params.table
             call_any_layout(rope_quantize_fused, _FUSED_QUANTIZED_ARRAYS, xk, data3, idx, _last_of_duplicates(idx),
-                            streams, table.streams, table.w, table.step_cos, table.step_sin, table.cos_scale,
-                            table.sin_scale, params.pairing[1], layout, code, np.zeros(1, np.int64), launch.n,
+                            streams, params.table, interleaved, layout, code, np.zeros(1, np.int64), launch.n,
                             unit=FUSED_QUANTIZED_UNIT)
         else:
             call_any_layout(rope_quantize_parallel, _QUANTIZED_ARRAYS, xk, data3, idx, _last_of_duplicates(idx),
-                            cs, params.pairing[0], params.pairing[1], layout, code, np.zeros(1, np.int64), launch.n,
+                            cs, n_pairs, interleaved, layout, code, np.zeros(1, np.int64), launch.n,
                             unit=QUANTIZED_UNIT)
 
 
@@ -255,10 +250,8 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, *, n_dims: int, mode: int, freq_bas
         if n_threads > 1 and x4 is not None and y4 is not None:  # one pass: cos/sin made per block of tokens
             xk = kernel_view(x4)
             yk = xk if y is x else kernel_view(y4)
-            table = params.table
             with _threads.team("rope_ext", nbytes, n_threads) as launch:
-                call_any_layout(drive_fused, _FUSED_ARRAYS, xk, yk, None, None, streams, table.streams, table.w,
-                                table.step_cos, table.step_sin, table.cos_scale, table.sin_scale,
+                call_any_layout(drive_fused, _FUSED_ARRAYS, xk, yk, None, None, streams, params.table,
                                 params.interleaved, y is x, token_layout(xk, yk), np.zeros(1, np.int64), launch.n,
                                 unit=FUSED_UNIT)
             return y

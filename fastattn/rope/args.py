@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,6 +24,15 @@ X_DTYPES = (_validate.FLOAT32, _validate.FLOAT16)
 #: int32 is ggml's position type; int64 is accepted as long as the values fit in int32.
 POS_DTYPES = _validate.INDEX_INTS
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+class Pairing(NamedTuple):
+    """How a cos/sin table of one parameter set applies to a head of D dims."""
+
+    n_pairs: int  # rotated pairs per head
+    interleaved: bool  # NORMAL's adjacent pairs (2p, 2p+1), else (p, p + n_pairs)
+    min_head_dim: int  # D >= min_head_dim ...
+    exact_head_dim: bool  # ... and == when exact: VISION rotates all 2·n_dims dims
 
 
 @dataclass(frozen=True)
@@ -66,11 +76,10 @@ class RopeParams:
         return self.mode == RopeMode.NORMAL
 
     @functools.cached_property
-    def pairing(self) -> tuple[int, bool, int, bool]:
-        """(n_pairs, interleaved, min_head_dim, exact_head_dim): how a cos/sin table of these parameters applies
-        to a head of D dims (D >= min_head_dim, and == when exact: VISION rotates all 2·n_dims dims)."""
+    def pairing(self) -> Pairing:
+        """How a cos/sin table of these parameters applies to a head (``Pairing``)."""
         vision = self.mode == RopeMode.VISION
-        return self.n_pairs, self.interleaved, 2 * self.n_dims if vision else self.n_dims, vision
+        return Pairing(self.n_pairs, self.interleaved, 2 * self.n_dims if vision else self.n_dims, vision)
 
     @functools.cached_property
     def table(self) -> _rope_pairs.PairTable:

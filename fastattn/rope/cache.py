@@ -19,7 +19,7 @@ import numpy as np
 from numba import prange
 
 from .._core import threads as _threads
-from .._core.kernel import call_any_layout, kernel
+from .._core.kernel import argument_positions, call_any_layout, kernel
 
 # float64 sin/cos that vectorise: Cody-Waite reduction by pi/2 split in three parts. The first two parts carry
 # 22 significant bits, so k·PIO2_1 and k·PIO2_2 are exact for |k| < 2**31 and the reduction is accurate to about
@@ -108,8 +108,11 @@ def _follows(pos, n):
 
 
 @kernel(fastmath=TABLE_FASTMATH)
-def cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, n0, n1):
-    """cs[n - n0] = cos then sin (float32) of token n, for n0 <= n < n1 (float64 cos/sin kept in c64/s64)."""
+def cache_block(pos, table, cs, n0, n1):
+    """cs[n - n0] = cos then sin (float32) of token n, for n0 <= n < n1 (float64 cos/sin kept in c64/s64), from
+    the pair table ``table`` (``rope.pairs.PairTable``)."""
+    # the arrays read once, not in the token loop, where each read would take and drop a reference
+    streams, w, step_cos, step_sin = table.streams, table.w, table.step_cos, table.step_sin
     n_pairs = w.shape[0]
     theta = np.empty(n_pairs)
     c64 = np.empty(n_pairs)
@@ -128,42 +131,41 @@ def cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, n
         row = cs[n - n0]
         cos_row = row[:n_pairs]
         for p in range(n_pairs):
-            cos_row[p] = np.float32(c64[p] * cos_scale)
+            cos_row[p] = np.float32(c64[p] * table.cos_scale)
         sin_row = row[n_pairs:]
         for p in range(n_pairs):
-            sin_row[p] = np.float32(s64[p] * sin_scale)
-
-
-#: Positions of build_cache_*'s arguments typed any layout (pos and the table's arrays).
-TABLE_INPUTS = (0, 1, 2, 3, 4)
+            sin_row[p] = np.float32(s64[p] * table.sin_scale)
 
 
 @kernel(fastmath=TABLE_FASTMATH)
-def build_cache_serial(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs):
+def build_cache_serial(pos, table, cs):
     """cs: (N, 2·n_pairs) float32, cos then sin of each token."""
     n_tokens = cs.shape[0]
     for n0 in range(0, n_tokens, CACHE_BLOCK):
         n1 = min(n_tokens, n0 + CACHE_BLOCK)
-        cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs[n0:n1], n0, n1)
+        cache_block(pos, table, cs[n0:n1], n0, n1)
 
 
 @kernel(parallel=True, fastmath=TABLE_FASTMATH)
-def build_cache_parallel(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs):
+def build_cache_parallel(pos, table, cs):
     n_tokens = cs.shape[0]
     for b in prange((n_tokens + CACHE_BLOCK - 1) // CACHE_BLOCK):
         n0 = b * CACHE_BLOCK
         n1 = min(n_tokens, n0 + CACHE_BLOCK)
-        cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs[n0:n1], n0, n1)
+        cache_block(pos, table, cs[n0:n1], n0, n1)
+
+
+#: build_cache_*'s arguments typed any layout (pos and the table's arrays).
+TABLE_INPUTS = argument_positions(build_cache_serial, "pos", "table")
 
 
 def build_cs(pos: np.ndarray, params) -> np.ndarray:
     """``cs`` (N, 2·n_pairs) float32 for positions ``pos`` (streams, N) and parsed ``params``
     (``_args.rope.RopeParams``): on threads only for many blocks (a few float64 flops per pair once the recurrence
     runs)."""
-    table = params.table
     n_tokens = pos.shape[1]
     cs = np.empty((n_tokens, 2 * params.n_pairs), np.float32)
-    args = (pos, table.streams, table.w, table.step_cos, table.step_sin, table.cos_scale, table.sin_scale, cs)
+    args = (pos, params.table, cs)
     # the inputs typed any layout, as the fused RoPE drivers pass them: both share cache_block's compilation
     n_threads = _threads.threads_for(n_tokens * params.n_pairs * 16) if n_tokens >= 8 * CACHE_BLOCK else 1
     if n_threads > 1:

@@ -174,11 +174,10 @@ def drive_parallel(unit, x, out, idx, keep, cs, n_pairs, interleaved, in_place, 
 
 
 @kernel(fastmath=ROTATION_FASTMATH)
-def _fused_tasks(x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
-                 in_place, layout, next_task):
+def _fused_tasks(x, out, idx, keep, pos, table, interleaved, in_place, layout, next_task):
     """One thread's share of ``drive_fused`` (see ``_cached_tasks``), with its own cos/sin scratch."""
     n_tokens = x.shape[1]
-    n_pairs = w.shape[0]
+    n_pairs = table.w.shape[0]
     n_tasks = (n_tokens + CACHE_BLOCK - 1) // CACHE_BLOCK
     whole = _whole_rows(x, out, n_pairs, in_place, layout)
     cs = np.empty((CACHE_BLOCK, 2 * n_pairs), np.float32)
@@ -186,7 +185,7 @@ def _fused_tasks(x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_sca
     while task < n_tasks:
         n0 = task * CACHE_BLOCK
         n1 = min(n_tokens, n0 + CACHE_BLOCK)
-        cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, n0, n1)
+        cache_block(pos, table, cs, n0, n1)
         for n in range(n0, n1):
             if whole:
                 _rotate_whole(x, out, idx, keep, n, cs[n - n0], n_pairs, interleaved)
@@ -196,14 +195,13 @@ def _fused_tasks(x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_sca
 
 
 @kernel(parallel=True, fastmath=ROTATION_FASTMATH)
-def drive_fused(unit, x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
-                in_place, layout, next_task, n_threads):
-    """``drive_parallel`` with the cos/sin made inside the same pass. A task is one CACHE_BLOCK of tokens: its
-    cos/sin go to the thread's scratch (exactly the values ``rope_cache`` would store: same blocks, same code),
-    then its tokens are stepped through while the scratch is in L1. ``unit``: the handle of ``_fused_tasks``."""
+def drive_fused(unit, x, out, idx, keep, pos, table, interleaved, in_place, layout, next_task, n_threads):
+    """``drive_parallel`` with the cos/sin of positions ``pos`` (streams, N) made inside the same pass from the
+    pair table ``table`` (``rope.pairs.PairTable``). A task is one CACHE_BLOCK of tokens: its cos/sin go to the
+    thread's scratch (exactly the values ``rope_cache`` would store: same blocks, same code), then its tokens are
+    stepped through while the scratch is in L1. ``unit``: the handle of ``_fused_tasks``."""
     for _ in prange(n_threads):
-        call_unit(unit, (x, out, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale,
-                         interleaved, in_place, layout, next_task))
+        call_unit(unit, (x, out, idx, keep, pos, table, interleaved, in_place, layout, next_task))
 
 
 #: ``drive_parallel``'s unit (``_core.kernel.work_unit``): ``_cached_tasks`` on the driver's arguments of its names.

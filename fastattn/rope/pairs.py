@@ -15,7 +15,7 @@ recurrence (``rope.cache``). The tables depend on the parameters only, so a para
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -40,8 +40,9 @@ def yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow) -> tuple
     return float(_c_max(f32(0), start)), float(_c_min(f32(n_dims - 1), end))
 
 
-@dataclass(frozen=True)
-class PairTable:
+class PairTable(NamedTuple):
+    """The per-pair tables of one parameter set: a named tuple, so kernels take it whole as one argument."""
+
     streams: np.ndarray  # int64 (n_pairs,): 0..3 = t, h, w, e
     w: np.ndarray  # float64 (n_pairs,): theta = pos * w
     step_cos: np.ndarray  # float64 (n_pairs,): cos(w), sin(w), correctly rounded (libm): one position step

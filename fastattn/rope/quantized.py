@@ -70,12 +70,11 @@ def rope_quantize_parallel(unit, x, data, idx, keep, cs, n_pairs, interleaved, l
 
 
 @kernel(fastmath=ROTATION_FASTMATH)
-def _fused_tasks(x, data, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved, layout,
-                 code, next_task):
+def _fused_tasks(x, data, idx, keep, pos, table, interleaved, layout, code, next_task):
     """One thread's share of ``rope_quantize_fused``: the next CACHE_BLOCK of tokens from ``next_task``, its cos/sin
     rows made in the thread's scratch, until none is left."""
     n_tokens = x.shape[0]
-    n_pairs = w.shape[0]
+    n_pairs = table.w.shape[0]
     n_tasks = (n_tokens + CACHE_BLOCK - 1) // CACHE_BLOCK
     cs = np.empty((CACHE_BLOCK, 2 * n_pairs), np.float32)
     scratch = np.empty((x.shape[1], x.shape[2]), np.float32)
@@ -83,21 +82,19 @@ def _fused_tasks(x, data, idx, keep, pos, streams, w, step_cos, step_sin, cos_sc
     while task < n_tasks:
         n0 = task * CACHE_BLOCK
         n1 = min(n_tokens, n0 + CACHE_BLOCK)
-        cache_block(pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, cs, n0, n1)
+        cache_block(pos, table, cs, n0, n1)
         for n in range(n0, n1):
             _token(x, data, idx, keep, cs[n - n0], n_pairs, interleaved, layout, code, n, scratch)
         task = fetch_add(next_task)
 
 
 @kernel(parallel=True, fastmath=ROTATION_FASTMATH)
-def rope_quantize_fused(unit, x, data, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale,
-                        interleaved, layout, code, next_task, n_threads):
+def rope_quantize_fused(unit, x, data, idx, keep, pos, table, interleaved, layout, code, next_task, n_threads):
     """``rope_quantize_parallel`` with the cos/sin of positions ``pos`` (streams, N) made in the same pass from the
-    table's (streams, w, step_cos, step_sin, cos_scale, sin_scale) (``rope.pairs``), a CACHE_BLOCK of tokens per
-    task. ``unit``: the handle of ``_fused_tasks``."""
+    pair table ``table`` (``rope.pairs.PairTable``), a CACHE_BLOCK of tokens per task. ``unit``: the handle of
+    ``_fused_tasks``."""
     for _ in prange(n_threads):
-        call_unit(unit, (x, data, idx, keep, pos, streams, w, step_cos, step_sin, cos_scale, sin_scale, interleaved,
-                         layout, code, next_task))
+        call_unit(unit, (x, data, idx, keep, pos, table, interleaved, layout, code, next_task))
 
 
 #: ``rope_quantize_parallel``'s unit (``_core.kernel.work_unit``): ``_tasks`` on the driver's arguments of its names.
