@@ -28,6 +28,10 @@ What transformers passes, and what becomes of it:
 - float16/bfloat16 models: K and V are read as they are, the query is widened to float32 (flash_attn_ext's
   query type) and the float32 output is rounded to the model's dtype.
 
+``QuantizedKVCache(config, qtype="q8_0")`` (``fastattn.integrations.transformers_cache``): a ``Cache`` holding K
+and V as Q8_0 / Q4_0 blocks; its ``update`` returns ``QuantizedKV`` handles, whose blocks ``attention_forward``
+reads in place (other attention implementations see their dequantized values).
+
 Refused with a ValueError, instead of computing something else: dropout > 0 (a model in training mode), tensors
 that require grad (fastattn has no backward), tensors on another device, ``output_attentions``, and
 ``position_bias`` (T5-style learned biases).
@@ -42,10 +46,22 @@ import numpy as np
 
 from .._core.tensors import as_array
 from ..attention.api import flash_attn_ext
+from ..quant.blocks import Quantized
 
 #: The name ``register`` uses by default.
 DEFAULT_NAME = "fastattn"
 _NEG_INF = np.float32(-np.inf)
+#: The names ``fastattn.integrations.transformers_cache`` defines for this module (it imports torch and
+#: transformers, so it is loaded on first access, as ``register`` loads transformers).
+_CACHE_NAMES = ("QuantizedKVCache", "QuantizedKV")
+
+
+def __getattr__(name: str):
+    if name in _CACHE_NAMES:
+        from . import transformers_cache
+
+        return getattr(transformers_cache, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register(name: str = DEFAULT_NAME) -> str:
@@ -134,6 +150,24 @@ def _live_keys(live: np.ndarray) -> tuple[int, int] | None:
     return (j0, j1) if np.count_nonzero(live) == j1 - j0 else None
 
 
+def _kv_array(name: str, t, torch):
+    """K or V as ``flash_attn_ext`` reads it: a ``QuantizedKVCache`` handle's blocks in place, or the tensor's
+    ndarray."""
+    if t.__class__ is not torch.Tensor:
+        from .transformers_cache import QuantizedKV  # loaded already wherever such a handle exists
+
+        if isinstance(t, QuantizedKV):
+            return t.blocks
+    return as_array(name, t)
+
+
+def _kv_rows(a, j0: int, j1: int):
+    """Rows [j0, j1) of K or V (B, Hkv, Nkv, D): a view, of the blocks when quantized."""
+    if a.__class__ is Quantized:
+        return Quantized(a.data[:, :, j0:j1], a.qtype)
+    return a[:, :, j0:j1]
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                       softcap: float | None = None, s_aux=None, is_causal: bool | None = None, **kwargs):
     """transformers' attention function: ``(attn_output (B, Nq, Hq, DV), None)`` from query (B, Hq, Nq, D),
@@ -149,13 +183,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         raise ValueError("fastattn attention does not take a learned position_bias; use another "
                          "attn_implementation for this model")
     q = as_array("query", query if query.dtype == torch.float32 else query.to(torch.float32))
-    k = as_array("key", key)
-    v = as_array("value", value)
+    k = _kv_array("key", key, torch)
+    v = _kv_array("value", value, torch)
     n_q, n_kv = q.shape[2], k.shape[2]
     built, keys = _decode_mask
     if attention_mask is not None and attention_mask is built and keys is not None and keys[1] <= n_kv:
         # the live keys alone, without a mask (a mask hiding the others gives the same attention)
-        k, v, mask = k[:, :, keys[0]:keys[1]], v[:, :, keys[0]:keys[1]], None
+        k, v, mask = _kv_rows(k, *keys), _kv_rows(v, *keys), None
     elif attention_mask is not None:
         mask = _mask_array(attention_mask, n_kv)
     elif n_q > 1 and (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
