@@ -13,7 +13,14 @@ heads, 2 KV heads, head dim 64, 4 layers, float32) by default, or another decode
    cache: at a few hundred cached tokens the two are about even, because the rest of the token (projections,
    MLP, transformers' Python) is the same work for both (docs/transformers.md gives the measured figures).
 
+With ``--cache q8_0`` (or ``q4_0``) both parts run over fastattn's quantized KV cache, ``QuantizedKVCache``:
+fastattn's tokens must equal eager's over a ``DynamicCache`` holding the same quantized values (each new K/V row
+rounded through ``fastattn.reference``'s quantizer), and the decode steps of "fastattn" over the quantized cache
+are timed against "sdpa" over transformers' ``DynamicCache`` (float32) and ``QuantizedCache(backend="fp8")``;
+it prints the caches' sizes too.
+
     python examples/hf_generate.py [--context 16384] [--rounds 15] [--model llama] [--threads 2] [--eager]
+    python examples/hf_generate.py --cache q8_0 [--context 16384] ...
     python examples/hf_generate.py --short      # seconds: a short prompt and a 512-token context
 
 Needs torch and transformers (``docs/transformers.md`` says how to get torch's CPU build).
@@ -31,6 +38,7 @@ import torch
 import transformers
 
 import fastattn
+import fastattn.reference
 from fastattn.integrations import transformers as fa_hf
 
 IMPLEMENTATIONS = ("eager", "sdpa", "fastattn")
@@ -56,20 +64,38 @@ def make_config(name: str):
     raise SystemExit(f"unknown --model {name!r}: llama, mistral, gemma2 or gpt_oss")
 
 
-def generate(model, prompt: torch.Tensor, new_tokens: int, implementation: str) -> torch.Tensor:
+class FakeQuantizedCache(transformers.DynamicCache):
+    """A ``DynamicCache`` storing each new K/V row rounded through the reference quantizer (quantize, then
+    dequantize): the values a ``QuantizedKVCache`` holds, for eager to attend over."""
+
+    def __init__(self, config, qtype: str):
+        super().__init__(config=config)
+        self.qtype = qtype
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        def rounded(x):
+            blocks = fastattn.reference.quantize(x.to(torch.float32).contiguous().numpy(), self.qtype)
+            return torch.from_numpy(fastattn.reference.dequantize(blocks)).to(x.dtype)
+
+        return super().update(rounded(key_states), rounded(value_states), layer_idx, *args, **kwargs)
+
+
+def generate(model, prompt: torch.Tensor, new_tokens: int, implementation: str, cache=None) -> torch.Tensor:
     model.set_attn_implementation(implementation)
     return model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                          pad_token_id=0)
+                          pad_token_id=0, **({} if cache is None else {_CACHE_ARGUMENT: cache}))
 
 
 class Decoder:
-    """A ``StaticCache`` filled with ``context`` rows of random K/V; ``step()`` runs the model on one token at the
-    next position with one attention implementation, writing its K/V into the cache in place."""
+    """A cache (a ``StaticCache`` unless ``cache`` is given) filled with ``context`` rows of random K/V;
+    ``step()`` runs the model on one token at the next position with one attention implementation, writing its
+    K/V into the cache."""
 
-    def __init__(self, model, context: int, steps: int):
+    def __init__(self, model, context: int, steps: int, cache=None):
         config = model.config
         self.model = model
-        self.cache = transformers.StaticCache(config=config, max_cache_len=context + steps + 8)
+        self.cache = (transformers.StaticCache(config=config, max_cache_len=context + steps + 8)
+                      if cache is None else cache)
         generator = torch.Generator().manual_seed(context)
         shape = (1, config.num_key_value_heads, context, config.head_dim)
         for layer in range(config.num_hidden_layers):
@@ -110,28 +136,75 @@ def check_tokens(model, vocab: int, prompt_len: int, new: int) -> bool:
     return same
 
 
-def measure_speed(model, context: int, rounds: int, eager: bool) -> None:
-    """Part 2: paired decode steps at ``context``; prints the medians and sdpa / fastattn."""
-    names = ["fastattn", "sdpa"] + (["eager"] if eager else [])
-    decoders = {name: Decoder(model, context, rounds + 1) for name in names}
+def check_cached_tokens(model, vocab: int, prompt_len: int, new: int, qtype: str) -> bool:
+    """Part 1 over a quantized cache: fastattn over ``QuantizedKVCache`` against eager over the same values."""
+    prompt = torch.randint(1, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(1))
+    eager = generate(model, prompt, new, "eager", FakeQuantizedCache(model.config, qtype))
+    start = time.perf_counter()
+    cache = fa_hf.QuantizedKVCache(model.config, qtype)
+    fast = generate(model, prompt, new, "fastattn", cache)
+    print(f"  fastattn  {time.perf_counter() - start:6.2f} s for a {prompt_len}-token prompt and {new} new tokens "
+          f"over a {qtype.upper()} QuantizedKVCache ({cache.nbytes / 1e3:.1f} kB)")
+    same = torch.equal(fast, eager)
+    print(f"checked: fastattn's {new} generated tokens over a {qtype.upper()} cache "
+          f"{'equal' if same else 'DIFFER from'} eager's over the same values ({'passed' if same else 'FAILED'})")
+    return same
+
+
+def _caches(model, qtype: str | None, eager: bool) -> dict:
+    """label -> (attention implementation, the cache a Decoder fills; None: a StaticCache)."""
+    if qtype is None:
+        names = ["fastattn", "sdpa"] + (["eager"] if eager else [])
+        return {name: (name, None) for name in names}
+    caches = {"fastattn": ("fastattn", fa_hf.QuantizedKVCache(model.config, qtype)),
+              "sdpa": ("sdpa", transformers.DynamicCache(config=model.config))}
+    try:  # transformers' own quantized cache; full-attention models only
+        caches["sdpa fp8"] = ("sdpa", transformers.QuantizedCache(backend="fp8", config=model.config))
+    except ValueError as error:
+        print(f"  sdpa with QuantizedCache(backend='fp8') not available: {str(error).splitlines()[0][:90]}")
+    if eager:
+        caches["eager"] = ("eager", transformers.DynamicCache(config=model.config))
+    return caches
+
+
+def _float32_kv_bytes(cache) -> int:
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
+
+
+def measure_speed(model, context: int, rounds: int, eager: bool, qtype: str | None = None) -> None:
+    """Part 2: paired decode steps at ``context``; prints the medians and sdpa / fastattn (with ``qtype``: over
+    a ``QuantizedKVCache`` against sdpa over a ``DynamicCache`` and an fp8 ``QuantizedCache``, and the sizes)."""
+    caches = _caches(model, qtype, eager)
+    names = list(caches)
+    decoders = {name: Decoder(model, context, rounds + 1, cache) for name, (_, cache) in caches.items()}
     for name in list(names):  # one untimed step each: fastattn's decode kernels, torch's first-call work
         try:
-            decoders[name].step(name)
+            decoders[name].step(caches[name][0])
         except ValueError as error:
             print(f"  {name} not available for this model: {str(error).splitlines()[0][:90]}")
             names.remove(name)
     times: dict[str, list[float]] = {name: [] for name in names}
     for k in range(rounds):
         for name in names[k % len(names):] + names[:k % len(names)]:  # the order rotates round by round
-            times[name].append(decoders[name].step(name))
+            times[name].append(decoders[name].step(caches[name][0]))
     medians = {name: statistics.median(t) for name, t in times.items()}
     for name in names:
         print(f"  {name:9s} {medians[name] * 1e3:8.2f} ms/token (median of {rounds}, fastest "
               f"{min(times[name]) * 1e3:.2f})")
-    if "sdpa" in medians:
-        fastest = min(times["sdpa"]) / min(times["fastattn"])
-        print(f"speed-up over sdpa at a context of {context} tokens: {medians['sdpa'] / medians['fastattn']:.2f}x "
-              f"(sdpa's median time per token / fastattn's; by the fastest tokens {fastest:.2f}x)")
+    what = ("speed-up over sdpa" if qtype is None else
+            f"speed-up of fastattn over a {qtype.upper()} QuantizedKVCache against sdpa")
+    for base, label in (("sdpa", "" if qtype is None else " with a DynamicCache"),
+                        ("sdpa fp8", " with an fp8 QuantizedCache")):
+        if base in medians and "fastattn" in medians:
+            fastest = min(times[base]) / min(times["fastattn"])
+            print(f"{what}{label} at a context of {context} tokens: "
+                  f"{medians[base] / medians['fastattn']:.2f}x ({base}'s median time per token / fastattn's; by "
+                  f"the fastest tokens {fastest:.2f}x)")
+    if qtype is not None:
+        float32_bytes = _float32_kv_bytes(decoders["sdpa"].cache)
+        nbytes = decoders["fastattn"].cache.nbytes
+        print(f"memory: the {qtype.upper()} QuantizedKVCache holds {nbytes / 1e6:.1f} MB (nbytes), "
+              f"{nbytes / float32_bytes:.3f}x the float32 DynamicCache's {float32_bytes / 1e6:.1f} MB of K/V")
     load, cores = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0, os.cpu_count() or 1
     if load > cores:  # other processes held the cores: the medians include waits for a CPU
         print(f"  (the machine is busy: load average {load:.1f} on {cores} cores; the fastest tokens are the "
@@ -151,6 +224,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="llama", help="llama, mistral, gemma2 or gpt_oss (default llama)")
     parser.add_argument("--threads", type=int, default=None, help="threads for torch and fastattn")
     parser.add_argument("--eager", action="store_true", help="time eager's decode steps too (slow at long contexts)")
+    parser.add_argument("--cache", choices=("q8_0", "q4_0"), default=None,
+                        help="generate and decode over fastattn's QuantizedKVCache of this type")
     parser.add_argument("--short", action="store_true",
                         help="a quick run: a 16-token prompt, 4 new tokens, a 512-token context, 3 rounds (each "
                              "unless given)")
@@ -168,9 +243,14 @@ def main(argv=None) -> int:
     print(f"{args.model}: {config.num_hidden_layers} layers, {torch.get_num_threads()} torch threads, "
           f"{fastattn.get_num_threads()} fastattn threads")
     print(f"generation: a {args.prompt}-token prompt, {args.new} new tokens, greedy")
-    same = check_tokens(model, config.vocab_size, args.prompt, args.new)
-    print(f"decode at a context of {args.context} tokens (a StaticCache of random K/V), {args.rounds} paired rounds")
-    measure_speed(model, args.context, args.rounds, args.eager)
+    if args.cache is None:
+        same = check_tokens(model, config.vocab_size, args.prompt, args.new)
+        print(f"decode at a context of {args.context} tokens (a StaticCache of random K/V), {args.rounds} paired "
+              f"rounds")
+    else:
+        same = check_cached_tokens(model, config.vocab_size, args.prompt, args.new, args.cache)
+        print(f"decode at a context of {args.context} tokens (caches of random K/V), {args.rounds} paired rounds")
+    measure_speed(model, args.context, args.rounds, args.eager, args.cache)
     return 0 if same else 1
 
 
