@@ -24,7 +24,8 @@ from fastattn.jobs.report import duration, markdown
 @dataclass(frozen=True)
 class Pick:
     """A time from the JSON: the median of benchmark ``name`` (without ``test_``; ``{t}`` is the thread count), or
-    its ``extra_info[key]`` when ``key`` is given (keys end in ``_us`` or ``_ms``)."""
+    its ``extra_info[key]`` when ``key`` is given (keys end in ``_us`` or ``_ms``; a key ending in ``_MB`` is a size
+    in megabytes instead)."""
     name: str
     key: str | None = None
 
@@ -100,6 +101,27 @@ def _transformers(context: int, least: float, target: str) -> Row:
                ratio="faster", ratio_key="sdpa/fastattn", target=target, goal=('ratio', '>=', least))
 
 
+def _transformers_quantized(qtype: str, base: str, label: str, least: float | None) -> Row:
+    """``QuantizedKVCache`` decode against "sdpa" over another cache (``base``: ``sdpa`` for DynamicCache, the torch
+    column, or ``sdpa_fp8`` for ``QuantizedCache(backend="fp8")``, the other baseline)."""
+    paired = "quantized_cache_decode_paired"
+    return Row(f'transformers decode per token, `QuantizedKVCache` {qtype.upper()}, `"fastattn"`',
+               "context 16384", Pick(paired, f"{qtype}_ms"), torch=Pick(paired, "sdpa_ms"),
+               other=None if base == "sdpa" else (label, Pick(paired, f"{base}_ms")), ratio="faster",
+               ratio_key=f"{base}/{qtype}",
+               target="" if least is None else f"speed-up ≥ {least}× over {label}",
+               goal=None if least is None else ('ratio', '>=', least))
+
+
+def _transformers_quantized_bytes(qtype: str, most: float | None) -> Row:
+    paired = "quantized_cache_decode_paired"
+    return Row(f"`QuantizedKVCache` {qtype.upper()}, `nbytes`", "context 16384 + 18 tokens",
+               Pick(paired, f"{qtype}_MB"), other=("float32 K/V", Pick(paired, "float32_MB")), ratio="time",
+               ratio_key=f"{qtype}_bytes/float32",
+               target="" if most is None else f"≤ {most}× the float32 K/V bytes",
+               goal=None if most is None else ('ratio', '<=', most))
+
+
 HEADS = "Hq 32, Hkv 8, D 128"
 ROWS: list[Row] = [
     _norm("rms_norm_mul", 512, "≥ 70% of the copy's bandwidth", ('ratio', '>=', 0.70)),
@@ -163,18 +185,34 @@ ROWS: list[Row] = [
            "causal prefill", 0.4),
     _transformers(4096, 1.0, "speed-up ≥ 1.0×"),
     _transformers(16384, 1.5, "speed-up ≥ 1.5×"),
+    _transformers_quantized("q8_0", "sdpa", '"sdpa" + `DynamicCache`', 1.5),
+    _transformers_quantized("q8_0", "sdpa_fp8", '"sdpa" + fp8 `QuantizedCache`', 2.0),
+    _transformers_quantized("q4_0", "sdpa", '"sdpa" + `DynamicCache`', None),
+    _transformers_quantized("q4_0", "sdpa_fp8", '"sdpa" + fp8 `QuantizedCache`', None),
+    _transformers_quantized_bytes("q8_0", 0.28),
+    _transformers_quantized_bytes("q4_0", None),
 ]
 
 COLUMNS = ["op", "shape", "threads", "fastattn", "reference", "torch", "other baseline", "ratio", "target", "met"]
 
 
 def _seconds(bench: dict, key: str | None) -> float | None:
+    """The time ``key`` names, in seconds (a size in megabytes for a ``_MB`` key)."""
     if key is None:
         return bench["stats"]["median"]
     value = bench.get("extra_info", {}).get(key)
     if value is None:
         return None
+    if key.endswith("_MB"):
+        return value
     return value * (1e-6 if key.endswith("_us") else 1e-3)
+
+
+def _cell(value: float | None, key: str | None) -> str:
+    """A time (``duration``), or a size for a ``_MB`` key."""
+    if value is not None and key is not None and key.endswith("_MB"):
+        return f"{value:.1f} MB"
+    return duration(value)
 
 
 def _ratio(row: Row, fast: float | None, base: float | None, label: str, given: float | None
@@ -215,13 +253,13 @@ def table(data: dict) -> str:
                 continue
             threads = t if threaded else fast_bench.get("extra_info", {}).get("threads", top)
             fast = _seconds(fast_bench, row.fast.key)
-            cells = [row.op, row.shape, str(threads), duration(fast)]
+            cells = [row.op, row.shape, str(threads), _cell(fast, row.fast.key)]
             for pick in (row.reference, row.torch):
                 present, seconds = find(pick, threads)
-                cells.append(duration(seconds) if present else "")
+                cells.append(_cell(seconds, pick.key) if present else "")
             label, other = row.other if row.other else ("torch", row.torch)
             present, base = find(other, threads)
-            cells.append(f"{label} {duration(base)}" if present and row.other else "")
+            cells.append(f"{label} {_cell(base, other.key)}" if present and row.other else "")
             given = fast_bench.get("extra_info", {}).get(row.ratio_key) if row.ratio_key else None
             value, text = _ratio(row, fast, base, label, given)
             cells.append(text)
