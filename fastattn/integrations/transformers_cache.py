@@ -14,9 +14,9 @@ in place; any torch operation on a handle (another attention implementation) run
 which are exactly what fastattn attends over.
 
 Sliding-window layers follow ``DynamicSlidingWindowLayer``: the same sequence length, mask sizes and returned
-rows (the last ``window - 1`` rows before the new ones). Rows out of the window stay until the storage is full,
-then the rows still needed move to a new array of twice their size (the copy is paid once per ``window`` tokens),
-so a window layer's memory stays within about twice the window.
+rows (the last ``window - 1`` rows before the new ones). Rows out of the window stay until the storage is full
+or holds mostly such rows, then the rows still needed move to a new array of twice their size (the copy is paid
+once per ``window`` tokens), so a window layer's memory stays within about twice the window.
 """
 from __future__ import annotations
 
@@ -100,8 +100,9 @@ def _empty_rows(batch: int, heads: int, capacity: int, dim: int, qtype: str) -> 
 
 
 def _flat(blocks: Quantized) -> Quantized:
-    """The storage (B, Hkv, capacity, D) as one axis of rows (B·Hkv·capacity, D): a view (it is contiguous)."""
-    return Quantized(blocks.data.reshape(-1, blocks.data.shape[-1]), blocks.qtype)
+    """The storage (B, Hkv, capacity, D) as one axis of rows (B·Hkv·capacity, D): a view of it (the storage is
+    allocated contiguous; ``copy=False`` would raise rather than write into a copy)."""
+    return Quantized(np.reshape(blocks.data, (-1, blocks.data.shape[-1]), copy=False), blocks.qtype)
 
 
 def _flat_rows(states: np.ndarray) -> np.ndarray:
@@ -277,7 +278,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         """A full layer holds every row: any crop is possible."""
 
     def _select_batch(self, index: np.ndarray) -> None:
-        if self.is_initialized and self.cumulative_length > 0:
+        if self.is_initialized:
             held = self.cumulative_length - self.base
             self.key_blocks = _selected(self.key_blocks, index, held)
             self.value_blocks = _selected(self.value_blocks, index, held)
@@ -309,7 +310,8 @@ class QuantizedSlidingWindowKVLayer(QuantizedKVLayer):
         self.record_past = False
 
     def activate_past_recording(self, **kwargs) -> None:
-        """Keep every row until the next ``crop`` (transformers' assisted decoding rolls steps back)."""
+        """Keep every row (the window's rows never move) while ``record_past`` is True, so that ``crop`` can roll
+        steps back: transformers' assisted decoding sets it, and clears ``record_past`` when it is done."""
         self.record_past = True
 
     def first_needed(self) -> int:
