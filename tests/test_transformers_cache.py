@@ -286,3 +286,30 @@ def test_bad_arguments_are_refused():
     cache.update(torch.zeros(1, 2, 3, 32), torch.zeros(1, 2, 3, 32), 0)
     with pytest.raises(ValueError, match="key_states must have shape"):
         cache.update(torch.zeros(2, 2, 1, 32), torch.zeros(2, 2, 1, 32), 0)
+
+
+def test_a_one_sequence_window_decode_reads_the_live_blocks_without_a_mask(monkeypatch):
+    """Batch 1, Mistral's window shorter than the prompt: the builder's one-row decode mask lets one run of keys
+    through, and the backend hands flash_attn_ext that run of the blocks (a view) and no mask."""
+    model = _model("mistral")
+    ids = torch.randint(1, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(7))
+    settings = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    eager = model.generate(ids, cache=FakeQuantizedCache(model.config, "q8_0"), **settings)
+    model.set_attn_implementation("fastattn")
+    cache = fa_hf.QuantizedKVCache(model.config, "q8_0")
+    calls = []
+    original = fa_hf.flash_attn_ext
+
+    def spy(q, k, v, mask=None, **kwargs):
+        calls.append((q.shape[2], k, mask is None))
+        return original(q, k, v, mask, **kwargs)
+
+    monkeypatch.setattr(fa_hf, "flash_attn_ext", spy)
+    fast = model.generate(ids, cache=cache, **settings)
+    decode = [(k, no_mask) for n_q, k, no_mask in calls if n_q == 1]
+    assert len(decode) == 3 * len(cache.layers)
+    for k, no_mask in decode:
+        assert no_mask and isinstance(k, Quantized) and k.shape[2] == WINDOW
+    assert torch.equal(fast.sequences, eager.sequences)
+    for step_fast, step_eager in zip(fast.logits, eager.logits, strict=True):
+        _assert_close(step_fast, step_eager)
