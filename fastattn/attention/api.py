@@ -134,6 +134,19 @@ def flash_attn_ext_slopes(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.
     return _run(a, q, k, v, slopes if slopes.flags.c_contiguous and slopes.flags.writeable else slopes.copy(), out)
 
 
+def flash_attn_ext_checked(q: np.ndarray, k, v, mask: np.ndarray | None, slopes: np.ndarray, scale: float,
+                           logit_softcap: float, path: str, out: np.ndarray) -> None:
+    """``flash_attn_ext_slopes`` without the argument checks, for a caller whose arguments are valid by
+    construction (``fastattn.integrations.flash_attn``, after ``fastattn.attention.flash_args`` checked them): q
+    (B, Hq, Nq, DK) float32, k/v as ``flash_attn_ext`` takes them, no axis empty, mask None or (Nq, Nkv)
+    float32/float16, slopes (Hq,) float32 contiguous and writeable, scale and logit_softcap in float32's range,
+    ``path`` valid for Nq, out (B, Nq, Hq, DV) float32 overlapping no input. The checks cost a decode-sized
+    call several microseconds; invalid arguments here are undefined behaviour."""
+    a = _args.AttentionArgs(q, k, v, None if mask is None else mask[None, None], scale, 0.0, logit_softcap, None,
+                            path, out, out.shape)
+    _run(a, q, k, v, slopes, out)
+
+
 def _run(a: _args.AttentionArgs, q, k, v, slopes: np.ndarray, out) -> np.ndarray:
     """Choose the path of a parsed call and run it with ``slopes`` (Hq,) float32."""
     B, Hq, Nq, _ = q.shape

@@ -128,6 +128,8 @@ def _kv_array(name: str, a, floats, ndim: int, quantized_ok: bool):
 
 
 def _flag(name: str, value) -> bool:
+    if value is True or value is False:  # the usual case, without the scalar checks
+        return value
     value = v.scalar(value)
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {v.scalar_type(value)}")
@@ -152,6 +154,8 @@ def _heads(q_shape, k_shape, v_shape, axis: int) -> None:
 
 def _window(causal, window_size) -> tuple[int, int]:
     causal = _flag("causal", causal)
+    if window_size.__class__ is tuple and window_size == (-1, -1):  # the default, without the integer checks
+        return -1, 0 if causal else -1
     try:
         left, right = window_size
     except (TypeError, ValueError):
@@ -361,8 +365,8 @@ def parse_kvcache(q, k_cache, v_cache, k, vv, rotary_cos, rotary_sin, cache_seql
     if v_cache.shape[:3] != k_cache.shape[:3]:
         raise ValueError(f"v_cache must match k_cache but for the head size, got k_cache {k_cache.shape}, "
                          f"v_cache {v_cache.shape}")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not _memory(cache).flags.writeable and k is not None:
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)) if k is not None else ():
+        if not _memory(cache).flags.writeable:
             raise ValueError(f"{name} must be writeable to append k and v")
     batch = q.shape[0]
     if batch < 1:

@@ -10,8 +10,8 @@ is ``fastattn.reference.flash_attn`` (float64), the argument rules ``fastattn.at
 both sides refuse the same calls, before anything is written). docs/flash_attn.md has the mapping and what
 differs from FlashAttention on a GPU.
 
-How the calls run on the kernels (``flash_attn_ext_slopes``: ``flash_attn_ext`` with FlashAttention's own ALiBi
-slopes):
+How the calls run on the kernels (``flash_attn_ext_checked``: ``flash_attn_ext`` with FlashAttention's own ALiBi
+slopes, its arguments checked here):
 - q is read through a (B, H, Sq, D) view (widened to float32 first when it is float16/bfloat16); K and V through
   (B, Hk, Sk, D) views of their arrays: a varlen sequence is a slice of the packed arrays, a cache entry's live rows
   a slice of the cache. Nothing is gathered, padded or copied; each sequence runs on its own rows.
@@ -35,7 +35,7 @@ from numpy.lib.stride_tricks import as_strided
 from .._core import threads as _threads
 from .._core.tensors import tensors_in_tensors_out
 from ..attention import flash_args as _args
-from ..attention.api import flash_attn_ext_slopes
+from ..attention.api import flash_attn_ext_checked
 from ..attention.flash_args import FAST_FLOATS, Scores
 from ..quant.api import dequantize
 from ..quant.blocks import Quantized
@@ -100,8 +100,9 @@ def _attend(q4: np.ndarray, k4, v4, scores: Scores, slopes: np.ndarray | None, o
             lse[...] = np.inf
         return
     mask = mask_view(scores, sq, sk)
-    flash_attn_ext_slopes(q4, k4, v4, mask, _ones(q4.shape[1]) if slopes is None else slopes,
-                          scale=scores.scale, logit_softcap=scores.softcap, path=path, out=out)
+    # flash_args has checked everything flash_attn_ext_slopes would check again (a decode step's microseconds)
+    flash_attn_ext_checked(q4, k4, v4, mask, _ones(q4.shape[1]) if slopes is None else slopes, scores.scale,
+                           scores.softcap, path, out)
     if lse is not None:
         _lse(q4, k4, scores, slopes, mask, lse)
 
@@ -150,12 +151,13 @@ def _slope_groups(scores: Scores, batch: int):
     if scores.alibi is None:
         return [(0, batch, None)]
     if batch == 1 or scores.alibi.strides[0] == 0:
-        return [(0, batch, np.ascontiguousarray(scores.alibi[0]))]
-    return [(b, b + 1, np.ascontiguousarray(scores.alibi[b])) for b in range(batch)]
+        return [(0, batch, _batch_slopes(scores, 0))]
+    return [(b, b + 1, _batch_slopes(scores, b)) for b in range(batch)]
 
 
 def _batch_slopes(scores: Scores, b: int) -> np.ndarray | None:
-    return None if scores.alibi is None else np.ascontiguousarray(scores.alibi[b])
+    """Batch entry b's slopes as the kernels take them: a contiguous, writeable float32 copy."""
+    return None if scores.alibi is None else np.array(scores.alibi[b], FLOAT32)
 
 
 # ---------------------------------------------------------------------------------------------------------------
