@@ -11,6 +11,8 @@ work: their tests expect NotImplementedError (strict xfail) until the kernels re
 from __future__ import annotations
 
 import inspect
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -741,3 +743,23 @@ def test_kvcache_torch_caches_are_written_in_place():
     out = fa.flash_attn_with_kvcache(**call, causal=True)
     assert isinstance(out, torch.Tensor) and out.dtype == torch.float32
     assert torch.equal(call["k_cache"], expected_cache)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# docs/flash_attn.md: its snippets run as written.
+DOC = Path(__file__).resolve().parents[1] / "docs" / "flash_attn.md"
+SNIPPETS = re.findall(r"^```python\n(.*?)^```", DOC.read_text(), re.M | re.S)
+FAST_IMPORT = "from fastattn.integrations.flash_attn import flash_attn_with_kvcache"
+
+
+@pytest.mark.parametrize("index", range(len(SNIPPETS)))
+def test_doc_snippets_run(index):
+    exec(compile(SNIPPETS[index], f"docs/flash_attn.md snippet {index}", "exec"), {"__name__": "doc"})
+
+
+@PAGED_PHASE_2
+def test_doc_paged_loop_runs_on_the_fast_side():
+    paged_loop = next(s for s in SNIPPETS if "block_table" in s)
+    code = paged_loop.replace(next(line for line in paged_loop.splitlines() if "fastattn.reference" in line),
+                              FAST_IMPORT)
+    exec(compile(code, "docs/flash_attn.md paged loop, fast", "exec"), {"__name__": "doc"})
