@@ -763,3 +763,50 @@ def test_doc_paged_loop_runs_on_the_fast_side():
     code = paged_loop.replace(next(line for line in paged_loop.splitlines() if "fastattn.reference" in line),
                               FAST_IMPORT)
     exec(compile(code, "docs/flash_attn.md paged loop, fast", "exec"), {"__name__": "doc"})
+
+
+@pytest.mark.parametrize("layout", ["sliced", "kv packed", "quantized sliced"])
+@pytest.mark.parametrize("rotary", [False, True])
+def test_kvcache_strided_cache_views(layout, rotary):
+    """Caches that are views: the first 12 rows of longer caches (entries and rows do not merge: the append
+    writes entry by entry), and FlashAttention's packed KV cache (kv[:, :, 0], kv[:, :, 1]) with heads interleaved;
+    the rows around the written ones stay as they were."""
+    rng = np.random.default_rng(4)
+    if layout == "kv packed":
+        storage = fill(rng, (3, 12, 2, 2, 32), F16)
+        k_cache, v_cache = storage[:, :, 0], storage[:, :, 1]
+    elif layout == "sliced":
+        storage = fill(rng, (2, 3, 20, 2, 32), F16)
+        k_cache, v_cache = storage[0, :, :12], storage[1, :, :12]
+    else:
+        data = fastattn.quantize(rng.standard_normal((2, 3, 20, 2, 32)).astype(np.float32), "q8_0").data
+        k_cache, v_cache = (fastattn.Quantized(data[i, :, :12], "q8_0") for i in range(2))
+        storage = data
+    call = dict(q=fill(rng, (3, 2, 4, 32), F32), k_cache=k_cache, v_cache=v_cache,
+                k=fill(rng, (3, 2, 2, 32), F16), v=fill(rng, (3, 2, 2, 32), F16),
+                cache_seqlens=np.array([0, 4, 10], np.int32), cache_batch_idx=np.array([2, 0, 1], np.int32),
+                causal=True)
+    if rotary:
+        angles = rng.uniform(0, 6, (20, 8))
+        call.update(rotary_cos=np.cos(angles).astype(F32), rotary_sin=np.sin(angles).astype(F32))
+    a = _parsed(call)
+    before = storage.copy()
+    out = fa.flash_attn_with_kvcache(**call)  # in place, into the views
+    reference_call = {**call, "k_cache": copy_cache(k_cache), "v_cache": copy_cache(v_cache)}
+    _, k_ref, v_ref = run_kvcache({**reference_call, "q": call["q"]}, reference)
+    if layout != "kv packed":  # rows past the views' 12: untouched
+        assert storage[:, :, 12:].tobytes() == before[:, :, 12:].tobytes()
+    check_appended(a, "k_cache", k_cache, _snapshot(before, layout, 0), k_ref)
+    check_appended(a, "v_cache", v_cache, _snapshot(before, layout, 1), v_ref)
+    assert written(a, k_cache).sum() == 6
+    expected, naive = expected_from_caches(a, call["q"], k_cache, v_cache)
+    check_out(out, expected, naive, layout)
+
+
+def _snapshot(before, layout, which):
+    """The cache ``which`` (0: K, 1: V) as it was, from the saved storage."""
+    if layout == "kv packed":
+        return before[:, :, which]
+    if layout == "sliced":
+        return before[which, :, :12]
+    return fastattn.Quantized(before[which, :, :12], "q8_0")
