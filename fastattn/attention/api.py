@@ -14,7 +14,8 @@ computes the ALiBi slopes, allocates ``out`` when needed, and hands everything t
 - ``split_kv`` (``attention.split_kv``): decode, KV chunks reduced in a fixed order (thread-count independent).
 
 ``flash_attn_ext_slopes`` is the same call with the caller's ALiBi slopes (FlashAttention's ``alibi_slopes``) in
-place of ggml's max_bias.
+place of ggml's max_bias; ``flash_attn_ext_checked`` runs it without the checks, for FlashAttention's API, which
+has checked its own arguments (``attention.flash_args``).
 
 ``auto`` follows ggml, except that decode keeps one_chunk on one thread and while its KV heads keep the threads
 evenly busy (see ``choose_path`` and docs/attention.md for why).
