@@ -74,6 +74,8 @@ def mask_view(scores: Scores, sq: int, sk: int) -> np.ndarray | None:
         return None
     table = _table((scores.left, scores.right, scores.alibi is not None), max(sq, sk))
     centre = table.shape[0] // 2
+    if sq == 1:  # a decode step's one row: a slice (as_strided costs microseconds)
+        return table[centre - (sk - 1):centre + 1][None]
     item = table.itemsize
     return as_strided(table[centre - (sk - sq):], shape=(sq, sk), strides=(-item, item), writeable=False)
 
