@@ -40,7 +40,8 @@ class Row:
     other: tuple[str, Pick] | None = None
     #: how the ratio is formed from the fast time and the baseline (``other``, else ``torch``):
     #: "bandwidth": baseline / fast, the fast op's share of the baseline's bandwidth; "faster": the speed-up,
-    #: baseline / fast; "time": fast / baseline
+    #: baseline / fast; "time": fast / baseline; "above": fast - baseline, in seconds (a ``ratio_key`` figure
+    #: for it is in microseconds)
     ratio: str | None = None
     #: the benchmark's own ratio in ``extra_info`` (a paired benchmark's, from unrounded medians), used when present
     ratio_key: str | None = None
@@ -191,6 +192,26 @@ ROWS: list[Row] = [
     _transformers_quantized("q4_0", "sdpa_fp8", '"sdpa" + fp8 `QuantizedCache`', None),
     _transformers_quantized_bytes("q8_0", 0.28),
     _transformers_quantized_bytes("q4_0", None),
+    Row("flash_attn_varlen_func, causal prefill", f"8 sequences of 64–2048, {HEADS}, float32",
+        Pick("varlen_prefill_vs_separate_calls_paired", "varlen_ms"),
+        other=("8 flash_attn_ext calls", Pick("varlen_prefill_vs_separate_calls_paired", "separate_ms")),
+        ratio="time", ratio_key="varlen/separate", target="≤ 1.10× the separate calls", goal=('ratio', '<=', 1.10)),
+    Row("flash_attn_varlen_func, causal prefill", f"8 sequences of 64–2048, {HEADS}, float32; torch padded to 2048",
+        Pick("varlen_prefill_vs_sdpa_padded_paired", "varlen_ms"),
+        torch=Pick("varlen_prefill_vs_sdpa_padded_paired", "sdpa_ms"), ratio="faster", ratio_key="sdpa/varlen",
+        target="speed-up ≥ 1.5×", goal=('ratio', '>=', 1.5)),
+    Row("flash_attn_with_kvcache decode, paged", "page 16 (shuffled), 8 sequences of 1k–8k rows, float16",
+        Pick("paged_decode_paired", "paged_ms"),
+        other=("contiguous caches", Pick("paged_decode_paired", "contiguous_ms")), ratio="time",
+        ratio_key="paged/contiguous", target="≤ 1.15× contiguous", goal=('ratio', '<=', 1.15)),
+    Row("flash_attn_with_kvcache decode, append + rotary", "B 8, Nkv 4096, float16 cache",
+        Pick("decode_append_rotary_paired", "append_ms"),
+        other=("attention alone", Pick("decode_append_rotary_paired", "attention_ms")), ratio="time",
+        ratio_key="append/attention", target="≤ 1.10× the attention alone", goal=('ratio', '<=', 1.10)),
+    Row("flash_attn_with_kvcache, decode-sized call", "B 1, Nkv 256, float16 cache",
+        Pick("decode_call_overhead_paired", "kvcache_us"),
+        other=("flash_attn_ext", Pick("decode_call_overhead_paired", "flash_attn_ext_us")), ratio="above",
+        ratio_key="kvcache-flash_attn_ext_us", target="≤ 20 µs above flash_attn_ext", goal=('ratio', '<=', 20e-6)),
 ]
 
 COLUMNS = ["op", "shape", "threads", "fastattn", "reference", "torch", "other baseline", "ratio", "target", "met"]
@@ -227,6 +248,9 @@ def _ratio(row: Row, fast: float | None, base: float | None, label: str, given: 
     if row.ratio == "faster":
         value = base / fast if given is None else given
         return value, f"speed-up {value:.2f}×"
+    if row.ratio == "above":
+        value = fast - base if given is None else given * 1e-6
+        return value, f"+{duration(value)} over {label}"
     value = fast / base if given is None else given
     return value, f"{value:.2f}× {label}"
 

@@ -407,3 +407,43 @@ def test_against_torch_sdpa():
     for path in ("one_chunk", "tiled", "auto"):
         got = fastattn.flash_attn_ext(q, k, v, mask, scale=0.3, path=path)
         assert np.abs(got - want).max() < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# flash_attn_ext_slopes: the caller's ALiBi slopes (FlashAttention's alibi_slopes)
+@pytest.mark.parametrize("path", PATHS)
+def test_caller_slopes_equal_ggmls_max_bias_slopes(path):
+    """The slopes ggml derives from max_bias, passed explicitly, give flash_attn_ext's bytes."""
+    from fastattn.attention.api import flash_attn_ext_slopes
+    from fastattn.attention.args import alibi_slopes
+
+    rng = np.random.default_rng(11)
+    Nq = 1 if path == "split_kv" else 6
+    q = fill(rng, (1, 6, Nq, 32), np.float32)
+    k = fill(rng, (1, 2, 700, 32), np.float16)
+    v = fill(rng, (1, 2, 700, 32), np.float16)
+    mask = -np.abs(np.arange(700)[None, :] - 699 + Nq - 1 - np.arange(Nq)[:, None]).astype(np.float32)
+    mask[:, :40] = -np.inf
+    expected = fastattn.flash_attn_ext(q, k, v, mask, scale=0.2, max_bias=8.0, path=path)
+    slopes = alibi_slopes(6, 8.0).astype(np.float32)
+    slopes.flags.writeable = False  # a read-only argument is taken as well
+    got = flash_attn_ext_slopes(q, k, v, mask, slopes, scale=0.2, path=path)
+    assert got.tobytes() == expected.tobytes()
+
+
+def test_zero_slopes_still_hide_minus_inf_keys_and_bad_slopes_are_refused():
+    from fastattn.attention.api import flash_attn_ext_slopes
+
+    rng = np.random.default_rng(12)
+    q = fill(rng, (1, 2, 3, 16), np.float32)
+    k = fill(rng, (1, 1, 5, 16), np.float32)
+    v = fill(rng, (1, 1, 5, 16), np.float32)
+    k[0, 0, 4] = v[0, 0, 4] = np.nan  # hidden from every row: never read
+    mask = np.where(np.arange(5)[None, :] > 3, -np.inf, -1.0).astype(np.float32).repeat(3, axis=0)
+    got = flash_attn_ext_slopes(q, k, v, mask, np.zeros(2, np.float32))
+    expected = reference.flash_attn_ext(q, k[:, :, :4], v[:, :, :4])
+    assert np.isfinite(got).all() and np.abs(got - expected).max() < 1e-6
+    for slopes, match in ((np.zeros(3, np.float32), r"\(2,\) float32"), (np.zeros(2), r"\(2,\) float32"),
+                          (np.array([0.0, np.inf], np.float32), "finite")):
+        with pytest.raises(ValueError, match=match):
+            flash_attn_ext_slopes(q, k, v, mask, slopes)

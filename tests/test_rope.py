@@ -23,6 +23,7 @@ import fastattn.reference.rope as ref_rope
 from fastattn.rope import drivers as _rope_drivers
 from fastattn.rope import rotate as _rope_rotate
 from fastattn._core import threads as _threads
+from fastattn.rope import api as _rope_api
 from fastattn.rope import args as rope_args
 from fastattn.rope.cache import CACHE_BLOCK
 from fastattn._core.validate import FLOAT16, FLOAT32
@@ -727,3 +728,30 @@ def test_attn_factor_beyond_float32_raises_and_writes_nothing(lib):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         lib.rope_ext(x[:1], pos[:1] * 0, n_dims=8, mode=fastattn.ROPE_NEOX, attn_factor=1e38, out=out[:1])
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("table_dtype", [FLOAT32, FLOAT16])
+def test_cache_from_explicit_tables_rotates_as_given(interleaved, table_dtype):
+    """``rope_cache_from_tables`` (FlashAttention's rotary_cos / rotary_sin rows): pairs (2p, 2p+1) interleaved, else
+    (p, p + n_pairs); dims past 2·n_pairs untouched; the same rows written by ``apply_rope_cache_set_rows``."""
+    rng = np.random.default_rng(3)
+    angles = rng.uniform(0, 7, (5, 6))
+    cos, sin = np.cos(angles).astype(table_dtype), np.sin(angles).astype(table_dtype)
+    cache = _rope_api.rope_cache_from_tables(cos, sin, interleaved=interleaved)
+    x = rng.standard_normal((5, 3, 16)).astype(np.float32)
+    got = fastattn.apply_rope_cache(x, cache)
+    c, s = cos.astype(np.float64)[:, None], sin.astype(np.float64)[:, None]
+    first = np.arange(0, 12, 2) if interleaved else np.arange(6)
+    second = first + 1 if interleaved else first + 6
+    expected = x.astype(np.float64).copy()
+    expected[..., first] = x[..., first] * c - x[..., second] * s
+    expected[..., second] = x[..., first] * s + x[..., second] * c
+    assert np.abs(got - expected).max() < 1e-6 and np.array_equal(got[..., 12:], x[..., 12:])
+    dst = np.zeros((9, 3, 16), np.float32)
+    fastattn.apply_rope_cache_set_rows(dst, x, cache, np.array([8, 0, 3, 2, 5]))
+    assert np.array_equal(dst[[8, 0, 3, 2, 5]], got)
+    with pytest.raises(ValueError, match="cos and sin"):
+        _rope_api.rope_cache_from_tables(cos, sin[:, :4], interleaved=True)
+    with pytest.raises(TypeError, match="cos"):
+        _rope_api.rope_cache_from_tables(cos.astype(np.float64), sin, interleaved=True)

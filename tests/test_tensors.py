@@ -120,3 +120,30 @@ def test_torch_output_layout_gets_the_transpose_in_the_message(ops):
     with pytest.raises(ValueError, match=r"torch's \(B, H, N, D\) output layout; pass out.transpose"):
         ops.flash_attn_ext(q, k, k, scale=1.0, out=torch_layout)
     ops.flash_attn_ext(q, k, k, scale=1.0, out=torch_layout.transpose(0, 2, 1, 3))
+
+
+def test_tensors_in_tensors_out_answers_a_torch_first_argument_with_tensors():
+    """FlashAttention's functions: a torch q gets torch results sharing the ndarray's memory (bfloat16 too); an
+    ndarray q gets ndarrays; other arguments are read as ``accept_tensors`` reads them."""
+    pytest.importorskip("ml_dtypes")
+    from fastattn._core.tensors import as_array, tensors_in_tensors_out
+
+    seen = {}
+
+    def op(q, scale=1.0, extra=None):
+        seen["types"] = (type(q), type(extra))
+        seen["result"] = result = (q.astype(np.float32) * scale).astype(q.dtype)
+        return result, np.float32(2.0), None
+
+    wrapped = tensors_in_tensors_out(op)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        q = _rand(3, 4).to(dtype)
+        out, scalar, nothing = wrapped(q, 2.0, extra=torch.zeros(2))
+        assert seen["types"] == (np.ndarray, np.ndarray)
+        assert isinstance(out, torch.Tensor) and out.dtype == dtype and torch.equal(out, (q.float() * 2).to(dtype))
+        assert isinstance(scalar, np.float32) and nothing is None
+        assert np.shares_memory(as_array("out", out), seen["result"])  # no copy
+        out2, _, _ = wrapped(q=q)  # q by keyword
+        assert isinstance(out2, torch.Tensor)
+    plain, _, _ = wrapped(np.ones(3, np.float32), extra=torch.zeros(2))
+    assert isinstance(plain, np.ndarray)

@@ -79,3 +79,32 @@ def accept_tensors(op: Callable) -> Callable:
         return op(*args, **kwargs)
 
     return call
+
+
+def as_tensor(a: np.ndarray):
+    """The CPU torch tensor sharing ``a``'s memory (bfloat16 through an int16 view of the same bytes)."""
+    torch = sys.modules["torch"]
+    if _validate.is_bfloat16(a.dtype):
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def tensors_in_tensors_out(op: Callable) -> Callable:
+    """``accept_tensors(op)``, and when its first argument is a torch tensor, each ndarray ``op`` returns (alone or
+    in a tuple) comes back as the torch tensor sharing its memory (``as_tensor``): FlashAttention's functions
+    answer a torch call with torch tensors."""
+    inner = accept_tensors(op)
+    first_name = next(iter(inspect.signature(op).parameters))
+
+    @functools.wraps(op)
+    def call(*args, **kwargs):
+        result = inner(*args, **kwargs)
+        torch = sys.modules.get("torch")
+        first = args[0] if args else kwargs.get(first_name)
+        if torch is None or first.__class__ in _PLAIN or not isinstance(first, torch.Tensor):
+            return result
+        if isinstance(result, tuple):
+            return tuple(as_tensor(r) if isinstance(r, np.ndarray) else r for r in result)
+        return as_tensor(result) if isinstance(result, np.ndarray) else result
+
+    return call

@@ -13,6 +13,10 @@ computes the ALiBi slopes, allocates ``out`` when needed, and hands everything t
 - ``tiled`` (``attention.tiled``): Q tiles x KV tiles, for prefill;
 - ``split_kv`` (``attention.split_kv``): decode, KV chunks reduced in a fixed order (thread-count independent).
 
+``flash_attn_ext_slopes`` is the same call with the caller's ALiBi slopes (FlashAttention's ``alibi_slopes``) in
+place of ggml's max_bias; ``flash_attn_ext_checked`` runs it without the checks, for FlashAttention's API, which
+has checked its own arguments (``attention.flash_args``).
+
 ``auto`` follows ggml, except that decode keeps one_chunk on one thread and while its KV heads keep the threads
 evenly busy (see ``choose_path`` and docs/attention.md for why).
 """
@@ -108,6 +112,44 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     with every score masked give zeros.
     """
     a = _args.parse(q, k, v, mask, scale, max_bias, logit_softcap, sinks, path, out, out_dtypes=(FLOAT32,))
+    return _run(a, q, k, v, _slopes(q.shape[1], a.max_bias), out)
+
+
+def flash_attn_ext_slopes(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
+                          slopes: np.ndarray, *, scale: float | None = None, logit_softcap: float = 0.0,
+                          path: str = "auto", out: np.ndarray | None = None) -> np.ndarray:
+    """``flash_attn_ext`` with the caller's ALiBi slopes: softmax(scale·QKᵀ [softcap] + slopes[h]·mask) V.
+
+    ``slopes`` (Hq,) float32, finite (FlashAttention's ``alibi_slopes`` are given, not derived from a max_bias);
+    a ``-inf`` mask entry hides its key whatever the slope, 0 included. The other arguments as ``flash_attn_ext``
+    (no sinks). Returns ``out`` (B, Nq, Hq, DV) float32."""
+    a = _args.parse(q, k, v, mask, scale, 0.0, logit_softcap, None, path, out, out_dtypes=(FLOAT32,))
+    if not (isinstance(slopes, np.ndarray) and slopes.dtype == FLOAT32 and slopes.shape == (q.shape[1],)):
+        raise ValueError(f"slopes must be a ({q.shape[1]},) float32 array (one per query head), got "
+                         f"{getattr(slopes, 'shape', type(slopes).__name__)} {getattr(slopes, 'dtype', '')}")
+    if not np.isfinite(slopes).all():
+        raise ValueError("slopes must be finite")
+    if out is not None and np.may_share_memory(out, slopes):
+        raise ValueError("out must not overlap slopes")
+    # contiguous and writeable, as _slopes' arrays: the kernels are compiled for that array type only
+    return _run(a, q, k, v, slopes if slopes.flags.c_contiguous and slopes.flags.writeable else slopes.copy(), out)
+
+
+def flash_attn_ext_checked(q: np.ndarray, k, v, mask: np.ndarray | None, slopes: np.ndarray, scale: float,
+                           logit_softcap: float, path: str, out: np.ndarray) -> None:
+    """``flash_attn_ext_slopes`` without the argument checks, for a caller whose arguments are valid by
+    construction (``fastattn.integrations.flash_attn``, after ``fastattn.attention.flash_args`` checked them): q
+    (B, Hq, Nq, DK) float32, k/v as ``flash_attn_ext`` takes them, no axis empty, mask None or (Nq, Nkv)
+    float32/float16, slopes (Hq,) float32 contiguous and writeable, scale and logit_softcap in float32's range,
+    ``path`` valid for Nq, out (B, Nq, Hq, DV) float32 overlapping no input. The checks cost a decode-sized
+    call several microseconds; invalid arguments here are undefined behaviour."""
+    a = _args.AttentionArgs(q, k, v, None if mask is None else mask[None, None], scale, 0.0, logit_softcap, None,
+                            path, out, out.shape)
+    _run(a, q, k, v, slopes, out)
+
+
+def _run(a: _args.AttentionArgs, q, k, v, slopes: np.ndarray, out) -> np.ndarray:
+    """Choose the path of a parsed call and run it with ``slopes`` (Hq,) float32."""
     B, Hq, Nq, _ = q.shape
     Nkv = k.shape[2]
     if a.path == "auto":
@@ -117,7 +159,6 @@ def flash_attn_ext(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     if name == "split_kv" and Nq != 1:
         raise ValueError(f"path 'split_kv' is for decode: q must have Nq = 1 query row, got q.shape {q.shape}")
     result = np.empty(a.out_shape, FLOAT32) if out is None else out
-    slopes = _slopes(Hq, a.max_bias)
     _runner(name)(q, _kv_kernel_view(k), _kv_kernel_view(v), None if a.mask is None else kernel_view(a.mask), slopes,
                   a.sinks, a.scale, a.logit_softcap, result)
     return result

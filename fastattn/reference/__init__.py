@@ -8,6 +8,7 @@ from ..quant.blocks import Quantized
 from .._core.tensors import accept_tensors as _accept_tensors
 
 from . import attention as _attention
+from . import flash_attn as _flash_attn
 from . import norm as _norm
 from . import quant as _quant
 from . import rope as _rope
@@ -26,10 +27,15 @@ apply_rope_cache_set_rows = _accept_tensors(_rope.apply_rope_cache_set_rows)
 set_rows = _accept_tensors(_rows.set_rows)
 quantize = _accept_tensors(_quant.quantize)
 dequantize = _quant.dequantize
+# FlashAttention's API (fastattn.integrations.flash_attn's definition); a torch q gets torch results
+flash_attn_func = _flash_attn.flash_attn_func
+flash_attn_varlen_func = _flash_attn.flash_attn_varlen_func
+flash_attn_with_kvcache = _flash_attn.flash_attn_with_kvcache
 
 __all__ = [
     "ROPE_IMROPE", "ROPE_MROPE", "ROPE_NEOX", "ROPE_NORMAL", "ROPE_VISION", "Quantized", "RopeMode",
     "add_rms_norm_mul", "dequantize", "quantize", "apply_rope_cache", "apply_rope_cache_set_rows", "flash_attn_ext",
+    "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
     "rms_norm", "rms_norm_mul", "rope_cache", "rope_ext", "rope_set_rows", "set_rows",
 ]
 

@@ -35,9 +35,12 @@ from .quantized import FUSED_UNIT as FUSED_QUANTIZED_UNIT
 from .quantized import UNIT as QUANTIZED_UNIT
 from .quantized import rope_quantize_fused, rope_quantize_parallel, rope_quantize_serial
 from .rotate import token_layout
+from .._core import validate as _validate
 from .._core.validate import STORAGE_FLOATS
+from .modes import ROPE_NEOX, ROPE_NORMAL
 
-__all__ = ["RopeCache", "rope_cache", "apply_rope_cache", "rope_ext", "rope_set_rows", "apply_rope_cache_set_rows"]
+__all__ = ["RopeCache", "rope_cache", "rope_cache_from_tables", "apply_rope_cache", "rope_ext", "rope_set_rows",
+           "apply_rope_cache_set_rows"]
 
 #: ``drive_fused``'s array arguments typed as any layout (x, out, idx, pos and the pair table's arrays): one
 #: compiled ``_fused_tasks`` for contiguous and strided calls; the other drivers' calls mark theirs the same way.
@@ -92,6 +95,23 @@ def rope_cache(pos: np.ndarray, *, n_dims: int, mode: int, freq_base: float = 10
     params = _params(n_dims, mode, freq_base, freq_scale, n_ctx_orig, ext_factor, attn_factor, beta_fast,
                      beta_slow, freq_factors, sections, backward)
     return RopeCache(build_cs(_args.parse_pos(pos, params), params), params, params.pairing)
+
+
+def rope_cache_from_tables(cos: np.ndarray, sin: np.ndarray, *, interleaved: bool) -> RopeCache:
+    """A ``RopeCache`` from explicit per-token tables (FlashAttention's ``rotary_cos``/``rotary_sin`` rows): cos
+    and sin (N, n_pairs) float32, float16 or bfloat16, rotating the first 2·n_pairs dims of each head,
+    adjacent dims (2p, 2p+1) when ``interleaved`` (ggml's NORMAL), else p and p + n_pairs (NEOX)."""
+    for name, table in (("cos", cos), ("sin", sin)):
+        _validate.array(name, table, dtypes=STORAGE_FLOATS, ndim=2)
+    if sin.shape != cos.shape or cos.shape[1] < 1:
+        raise ValueError(f"cos and sin must have one shape (N, n_pairs) with n_pairs >= 1, got {cos.shape} and "
+                         f"{sin.shape}")
+    params = _params(2 * cos.shape[1], ROPE_NORMAL if interleaved else ROPE_NEOX, 10000.0, 1.0, 0, 0.0, 1.0,
+                     32.0, 1.0, None, None, False)
+    cs = np.empty((cos.shape[0], 2 * cos.shape[1]), np.float32)
+    cs[:, :cos.shape[1]] = cos
+    cs[:, cos.shape[1]:] = sin
+    return RopeCache(cs, params, params.pairing)
 
 
 # ---------------------------------------------------------------------------------------------------------------
