@@ -147,13 +147,13 @@ def _block_values_of_group(A, sc, rows, n, jb, v_block, DV, unmasked, per_head, 
                 r2 = rows[x + 1]
                 r3 = rows[x + 2]
                 r4 = rows[x + 3]
-                axpy4x4(A, g * DV, DV, sc, g, r1, r2, r3, r4, src, sb + r1 * srs, sb + r2 * srs,
-                         sb + r3 * srs, sb + r4 * srs, scs)
+                axpy4x4(A, g * DV, DV, sc, g, (r1, r2, r3, r4), src,
+                        (sb + r1 * srs, sb + r2 * srs, sb + r3 * srs, sb + r4 * srs), scs)
                 x += 4
             while x + 1 < n_live:
                 r1 = rows[x]
                 r2 = rows[x + 1]
-                axpy4x2(A, g * DV, DV, sc, g, r1, r2, src, sb + r1 * srs, sb + r2 * srs, scs)
+                axpy4x2(A, g * DV, DV, sc, g, (r1, r2), src, (sb + r1 * srs, sb + r2 * srs), scs)
                 x += 2
             if x < n_live:
                 r1 = rows[x]
