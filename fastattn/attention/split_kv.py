@@ -86,7 +86,6 @@ def _partials(B: int, Hkv: int, n_chunks: int, G: int, DV: int):
     return buffers
 
 
-
 @kernel
 def _chunk(q, k, v, mask, logits, chunks, group_rows, u):
     """Unit ``u`` (module docstring). ``mask``: ``attention.layout.Mask``; ``logits``: ``attention.softmax.Logits``;
