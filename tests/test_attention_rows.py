@@ -34,9 +34,9 @@ def _all_updates(A, p, vf, offsets, vcs):
     """A (3, 4 * DV): row 0 by axpy4x4, row 1 by axpy4x2 twice, row 2 by axpy4 and axpy1 row after row."""
     DV = A.shape[1] // 4
     o1, o2, o3, o4 = offsets[0], offsets[1], offsets[2], offsets[3]
-    axpy4x4(A[0], 0, DV, p, np.int64(0), 0, 1, 2, 3, vf, o1, o2, o3, o4, vcs)
-    axpy4x2(A[1], 0, DV, p, np.int64(0), 0, 1, vf, o1, o2, vcs)
-    axpy4x2(A[1], 0, DV, p, np.int64(0), 2, 3, vf, o3, o4, vcs)
+    axpy4x4(A[0], 0, DV, p, np.int64(0), (0, 1, 2, 3), vf, (o1, o2, o3, o4), vcs)
+    axpy4x2(A[1], 0, DV, p, np.int64(0), (0, 1), vf, (o1, o2), vcs)
+    axpy4x2(A[1], 0, DV, p, np.int64(0), (2, 3), vf, (o3, o4), vcs)
     for r in range(4):
         axpy4(A[2], 0, DV, p, np.int64(0), r, vf, offsets[r], vcs)
 

@@ -39,14 +39,18 @@ intrinsics).
 """
 from __future__ import annotations
 
+import inspect
+from typing import NamedTuple
+
 import numpy as np
 from numba import types
 from numba.np import numpy_support
 
+from .layout import FlatRows, MaskAt
 from .nonfinite import sanitised_rows
 from .quantized import row_elements, row_scratch, v_block_rows
 from .rows import ROWS, axpy1, axpy4, axpy4x2, axpy4x4, dot1, dot4, dot4x2, prefetch_row
-from .softmax import NEG_INF, block_mask, block_weights, live_rows, mask_terms, store_score
+from .softmax import NEG_INF, Logits, block_mask, block_weights, live_rows, mask_terms, store_score
 from .stream import stream_if_float32
 from .._core.kernel import kernel, unit_address
 
@@ -56,6 +60,21 @@ from .._core.kernel import kernel, unit_address
 #: dot products (a few per row pair), not issued as a burst per block, which had made the loop 15-30% slower.
 PREFETCH_K = 32768
 PREFETCH_V = 16384
+
+
+class SoftmaxState(NamedTuple):
+    """A group's online softmax, float32: per head the running max ``M`` and sum ``S`` (G,), and the
+    unnormalised output ``A`` (G * DV,), head after head."""
+    M: np.ndarray
+    S: np.ndarray
+    A: np.ndarray
+
+
+class BlockScratch(NamedTuple):
+    """A block's working arrays: ``scores`` (G, ROWS) float32 (scores, then weights) and ``rows`` (ROWS,) int64
+    (the rows a register block of heads needs)."""
+    scores: np.ndarray
+    rows: np.ndarray
 
 
 @kernel
@@ -68,15 +87,16 @@ def load_group_queries(qf, qbase, qhs, qcs, qs):
 
 
 @kernel(inline=True)
-def _block_scores_of_group(qs, k_rows, v_rows, sc, rows, jb, n, terms, scale, softcap, ahead):
+def _block_scores_of_group(qs, k_rows, v_rows, sc, rows, jb, n, terms, logits, ahead):
     """Step 2 of ``group_rows`` for the block of rows jb .. jb+n: the group's scores in ``sc``, its heads in
     register blocks of 4 against pairs of K rows (K read in place; quantized rows widened in registers by the dot
     products, ``attention.quantized``), added to the mask terms already there unless ``terms`` is False. The
     first head block's dot products are interleaved with software prefetches of the K and V rows ``ahead`` =
     (K rows ahead, K lines per row, K elements per line, and the same for V) further on."""
     G = qs.shape[0]
-    kf, kbase, krs, kcs = k_rows
-    vq, vbase_q, vrs_q, _ = v_rows
+    kf, kbase, krs, kcs = k_rows.flat, k_rows.base, k_rows.row_stride, k_rows.column_stride
+    vq, vbase_q, vrs_q = v_rows.flat, v_rows.base, v_rows.row_stride
+    scale, softcap = logits.scale, logits.softcap
     k_ahead, k_lines, k_step, v_ahead, v_lines, v_step = ahead
     # g not a literal 0: store_score, compiled once, would compile again for it
     g = np.int64(0)
@@ -125,11 +145,11 @@ def _block_scores_of_group(qs, k_rows, v_rows, sc, rows, jb, n, terms, scale, so
 @kernel(inline=True)
 def _block_values_of_group(A, sc, rows, n, jb, v_block, DV, unmasked, per_head, per_head_mask):
     """Step 4 of ``group_rows``: A += p v for the block's rows jb .. jb+n, the group's heads in blocks of 4 (V
-    rows by fours, then pairs, then one) or one by one. ``v_block`` = (vf, vbase, vrs, vcs): the V rows as read
-    (in place, or a quantized block widened for a per-head mask); ``unmasked``: no mask at all; under a per-head
-    mask, rows some head of a block weighs 0 are kept off non-finite V rows (``sanitised_rows``)."""
+    rows by fours, then pairs, then one) or one by one. ``v_block``: the V rows as read (``FlatRows``: in place,
+    or a quantized block widened for a per-head mask); ``unmasked``: no mask at all; under a per-head mask, rows
+    some head of a block weighs 0 are kept off non-finite V rows (``sanitised_rows``)."""
     G = A.shape[0] // DV
-    vf, vbase, vrs, vcs = v_block
+    vf, vbase, vrs, vcs = v_block.flat, v_block.base, v_block.row_stride, v_block.column_stride
     g = np.int64(0)
     while g < G:
         width = 4 if G - g >= 4 else 1
@@ -147,13 +167,13 @@ def _block_values_of_group(A, sc, rows, n, jb, v_block, DV, unmasked, per_head, 
                 r2 = rows[x + 1]
                 r3 = rows[x + 2]
                 r4 = rows[x + 3]
-                axpy4x4(A, g * DV, DV, sc, g, r1, r2, r3, r4, src, sb + r1 * srs, sb + r2 * srs,
-                         sb + r3 * srs, sb + r4 * srs, scs)
+                axpy4x4(A, g * DV, DV, sc, g, (r1, r2, r3, r4), src,
+                        (sb + r1 * srs, sb + r2 * srs, sb + r3 * srs, sb + r4 * srs), scs)
                 x += 4
             while x + 1 < n_live:
                 r1 = rows[x]
                 r2 = rows[x + 1]
-                axpy4x2(A, g * DV, DV, sc, g, r1, r2, src, sb + r1 * srs, sb + r2 * srs, scs)
+                axpy4x2(A, g * DV, DV, sc, g, (r1, r2), src, (sb + r1 * srs, sb + r2 * srs), scs)
                 x += 2
             if x < n_live:
                 r1 = rows[x]
@@ -166,23 +186,22 @@ def _block_values_of_group(A, sc, rows, n, jb, v_block, DV, unmasked, per_head, 
 
 
 @kernel
-def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch, streaming):
+def group_rows(qs, k_rows, v_rows, mf, mask_at, logits, h0, j0, j1, state, scratch, streaming):
     """Online softmax of a GQA group's heads over KV rows [j0, j1), updating ``state`` in place.
 
-    ``qs`` (G, DK): the group's query rows (query heads h0 .. h0+G). ``k_rows`` = (kf, kbase, krs, kcs): K row j
-    starts at flat offset ``kbase + j * krs`` of ``kf``, column stride ``kcs``; ``v_rows`` likewise. Mask (``mf``
-    None for no mask) with ``mask_at`` = (mbase, mhs, mcs, Hm, per_head_mask): head h, column j at
-    ``mbase + (h % Hm) * mhs + j * mcs``. ``state`` = (M, S, A): running max and sum (G,) and unnormalised output
-    (G * DV,) float32. ``scratch`` = (sc (G, ROWS) float32, rows (ROWS,) int64). ``streaming``: the rows are read
-    this once (decode), not again for other query rows: float32 K/V then take ``stream_rows``.
+    ``qs`` (G, DK): the group's query rows (query heads h0 .. h0+G). ``k_rows``, ``v_rows``: the K and V rows
+    (``attention.layout.FlatRows``). ``mf``: the flat mask (None: no mask; not in a group: a None argument prunes
+    the mask code while typing, a None read from a tuple would not), read at ``mask_at``
+    (``attention.layout.MaskAt``). ``logits``: ``attention.softmax.Logits``. ``state``: ``SoftmaxState``;
+    ``scratch``: ``BlockScratch``. ``streaming``: the rows are read this once (decode), not again for other query
+    rows: float32 K/V then take ``stream_rows``.
     """
-    kq, _, _, kcs_q = k_rows  # as stored (quantized K/V: bytes, see attention.quantized)
-    vq, _, _, vcs_q = v_rows
-    mbase, mhs, mcs, Hm, per_head_mask = mask_at
-    M, S, A = state
-    sc, rows = scratch
-    if streaming and stream_if_float32(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state,
-                                       scratch):
+    kq, kcs_q = k_rows.flat, k_rows.column_stride  # as stored (quantized K/V: bytes, see attention.quantized)
+    vq, vcs_q = v_rows.flat, v_rows.column_stride
+    Hm, per_head_mask = mask_at.n_heads, mask_at.per_head
+    A = state.A
+    sc, rows = scratch.scores, scratch.rows
+    if streaming and stream_if_float32(qs, k_rows, v_rows, mf, mask_at, logits, h0, j0, j1, state, scratch):
         return
     G = qs.shape[0]
     DK = qs.shape[1]
@@ -205,40 +224,53 @@ def group_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, 
     for jb in range(j0, j1, ROWS):
         n = min(ROWS, j1 - jb)
         # 0. the block's mask: hidden from every head (skipped, K/V not read), all 0 (no terms) or terms to add
-        hidden, terms = block_mask(mf, mbase, mhs, mcs, Hm, h0, G, jb, n)
+        hidden, terms = block_mask(mf, mask_at, h0, G, jb, n)
         if hidden:
             continue
         # 1. mask terms (the scores start from them; without terms the scores are assigned, not added)
         if terms:
-            mask_terms(sc, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb)
+            mask_terms(sc, n, mf, mask_at, logits.slopes, h0, jb)
         # 2. scores, the group's heads in register blocks against pairs of K rows
-        _block_scores_of_group(qs, k_rows, v_rows, sc, rows, jb, n, terms, scale, softcap, ahead)
+        _block_scores_of_group(qs, k_rows, v_rows, sc, rows, jb, n, terms, logits, ahead)
         # 3. per head: rescale to the new max, turn scores into weights
-        block_weights(sc, n, M, S, A)
+        block_weights(sc, n, state.M, state.S, A)
         # V read in place, or quantized rows some head weighs widened for a per-head mask (_attention_quantized)
-        vf, vbase, vrs, vcs = v_block_rows(v_rows, DV, jb, sc, n, mf is None, rows, widened, per_head_mask)
+        v_block = v_block_rows(v_rows, DV, jb, sc, n, mf is None, rows, widened, per_head_mask)
         # 4. A += p v, same head blocks, V rows by fours then pairs
-        _block_values_of_group(A, sc, rows, n, jb, (vf, vbase, vrs, vcs), DV, mf is None, per_head, per_head_mask)
+        _block_values_of_group(A, sc, rows, n, jb, v_block, DV, mf is None, per_head, per_head_mask)
 
 
 _F32_ROW = types.Array(types.float32, 1, "C")
 _F32_BLOCK = types.Array(types.float32, 2, "C")
+_I64_ROW = types.Array(types.int64, 1, "C")
 _handles: dict = {}
 
 
+def _group_type(group, **field_types):
+    """The Numba type of parameter group ``group`` (a NamedTuple class) with its fields of ``field_types``."""
+    if set(field_types) != set(group._fields):
+        raise TypeError(f"{group.__name__} has the fields {group._fields}, got {tuple(field_types)}")
+    return types.BaseTuple.from_types([field_types[name] for name in group._fields], group)
+
+
 def _rows_types(k_dtype: np.dtype, v_dtype: np.dtype, mask_dtype: np.dtype | None, per_head: bool | None) -> tuple:
-    """The types of the arguments the one_chunk and split_kv units pass ``group_rows`` but ``streaming``."""
+    """The types of the arguments the one_chunk and split_kv units pass ``group_rows``, in its parameters' order."""
     def rows(dtype):
-        return types.Tuple((types.Array(numpy_support.from_dtype(dtype), 1, "C"), types.int64, types.int64,
-                            types.int64))
-    # flat_mask's array: none without a mask, else optional (its two returns unified)
-    mf = types.none if mask_dtype is None else types.Optional(
-        types.Array(numpy_support.from_dtype(mask_dtype), 1, "C"))
-    mask_at = types.Tuple((types.int64, types.int64, types.int64, types.int64,
-                           types.none if per_head is None else types.boolean))
-    return (_F32_BLOCK, rows(k_dtype), rows(v_dtype), mf, mask_at, _F32_ROW, types.int64, types.float32,
-            types.float32, types.int64, types.int64, types.UniTuple(_F32_ROW, 3),
-            types.Tuple((_F32_BLOCK, types.Array(types.int64, 1, "C"))))
+        return _group_type(FlatRows, flat=types.Array(numpy_support.from_dtype(dtype), 1, "C"), base=types.int64,
+                           row_stride=types.int64, column_stride=types.int64)
+    by_name = dict(
+        qs=_F32_BLOCK, k_rows=rows(k_dtype), v_rows=rows(v_dtype),
+        # flat_mask's array: none without a mask, else optional (its two returns unified)
+        mf=types.none if mask_dtype is None else types.Optional(
+            types.Array(numpy_support.from_dtype(mask_dtype), 1, "C")),
+        mask_at=_group_type(MaskAt, base=types.int64, head_stride=types.int64, column_stride=types.int64,
+                            n_heads=types.int64, per_head=types.none if per_head is None else types.boolean),
+        logits=_group_type(Logits, scale=types.float32, softcap=types.float32, slopes=_F32_ROW),
+        h0=types.int64, j0=types.int64, j1=types.int64,
+        state=_group_type(SoftmaxState, M=_F32_ROW, S=_F32_ROW, A=_F32_ROW),
+        scratch=_group_type(BlockScratch, scores=_F32_BLOCK, rows=_I64_ROW),
+        streaming=types.boolean)
+    return tuple(by_name[name] for name in inspect.signature(group_rows.py_func).parameters)
 
 
 def group_rows_handle(k_dtype: np.dtype, v_dtype: np.dtype, mask_dtype: np.dtype | None,
@@ -250,6 +282,5 @@ def group_rows_handle(k_dtype: np.dtype, v_dtype: np.dtype, mask_dtype: np.dtype
     key = (k_dtype, v_dtype, mask_dtype, per_head)
     handle = _handles.get(key)
     if handle is None:
-        arg_types = _rows_types(k_dtype, v_dtype, mask_dtype, per_head) + (types.boolean,)
-        handle = _handles[key] = unit_address(group_rows, arg_types)
+        handle = _handles[key] = unit_address(group_rows, _rows_types(k_dtype, v_dtype, mask_dtype, per_head))
     return handle

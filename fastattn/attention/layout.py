@@ -10,6 +10,7 @@ a strided loop.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 from numba import carray, types
@@ -22,6 +23,32 @@ from .._core.kernel import call_any_layout, kernel, to_f32
 NEG_INF = np.float32(-np.inf)
 #: Mask entries ``mask_spans`` tests at a time before it looks entry by entry.
 SPAN_STEP = 64
+
+
+class FlatRows(NamedTuple):
+    """Rows read flat: row j starts at offset ``base + j * row_stride`` of ``flat`` (``flat4``'s view), its
+    elements ``column_stride`` apart."""
+    flat: np.ndarray
+    base: int
+    row_stride: int
+    column_stride: int
+
+
+class MaskAt(NamedTuple):
+    """Where one query row's entries are in the flat mask: head h, column j at
+    ``base + (h % n_heads) * head_stride + j * column_stride``."""
+    base: int
+    head_stride: int
+    column_stride: int
+    n_heads: int
+    per_head: bool | None  # True for a mask with a row per head, else None (``attention.nonfinite``)
+
+
+class Mask(NamedTuple):
+    """A call's mask as the one_chunk and split_kv drivers take it."""
+    array: np.ndarray | None  # the kernel view (Bm, Hm, Nm, Nkv); None: no mask
+    spans: np.ndarray  # each row's live columns [lo, hi) (``mask_spans``)
+    per_head: bool | None  # True for a mask with a row per head, else None (``attention.nonfinite``)
 
 
 @intrinsic
@@ -125,13 +152,19 @@ def live_range(spans, mask, bm, h0, G, Hm, i, c0, c1):
     return start, end
 
 
-def spans_of(mask, n_q: int) -> np.ndarray:
-    """``mask_spans`` of a mask kernel view (None: a (1, 1, 1, 2) placeholder the kernels never read)."""
+#: The ``Mask`` group of a call without a mask (its spans a placeholder the kernels never read): made once, as
+#: decode calls would otherwise pay for the group and its spans every time.
+NO_MASK = Mask(None, np.zeros((1, 1, 1, 2), np.int64), None)
+
+
+def mask_of(mask, n_q: int) -> Mask:
+    """The ``Mask`` group of a mask kernel view (None: no mask) for ``n_q`` query rows: its spans
+    (``mask_spans``) computed here."""
     if mask is None:
-        return np.zeros((1, 1, 1, 2), np.int64)
+        return NO_MASK
     spans = np.empty(mask.shape[:2] + (n_q, 2), np.int64)
     call_any_layout(mask_spans, (0,), mask, n_q, spans)
-    return spans
+    return Mask(element_strides(mask), spans, None if mask.shape[1] == 1 else True)
 
 
 @functools.lru_cache(maxsize=16)

@@ -19,19 +19,22 @@ import numpy as np
 from numba import prange, types
 
 from .._core import threads as _threads
-from .group import group_rows_handle, load_group_queries
-from .layout import element_strides, flat4, flat_mask, live_range, no_sinks, spans_of
+from .group import BlockScratch, SoftmaxState, group_rows_handle, load_group_queries
+from .layout import FlatRows, MaskAt, element_strides, flat4, flat_mask, live_range, mask_of, no_sinks
 from .rows import ROWS
-from .softmax import finalize
+from .softmax import Logits, finalize
 from .._core.kernel import argument_positions, call_any_layout, call_unit, check_unit, fetch_add, kernel, work_unit
 
 #: Query rows per work unit: enough units to balance two threads at small Nq, few enough to amortise the scratch.
 ROW_CHUNK = 4
 
 
-@kernel(inline=True)
-def _unit_rows(rows_fn, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u):
-    """Unit ``u`` (module docstring), each query row's group run by ``rows_fn(rows, group_rows' arguments)``."""
+@kernel
+def _unit(q, k, v, mask, logits, sinks, out, group_rows, u):
+    """The work unit ``u`` (module docstring). ``mask``: ``attention.layout.Mask`` (its ``per_head`` None: the
+    per-head handling of non-finite V rows is not compiled, ``attention.nonfinite.sanitised_rows``);
+    ``logits``: ``attention.softmax.Logits``; ``sinks`` (Hq,) float32; ``group_rows``: ``group_rows``' handle
+    (``group_rows_handle``), called by address."""
     B, Hq, Nq, DK = q.shape
     Bk, Hkv, Nkv = k.shape[0], k.shape[1], k.shape[2]
     DV = out.shape[3]  # v's last axis counts bytes when V is quantized
@@ -39,7 +42,7 @@ def _unit_rows(rows_fn, q, k, v, mask, slopes, sinks, scale, softcap, out, spans
     kf, ko, kst = flat4(k)
     vf, vo, vst = flat4(v)
     of, oo, ost = flat4(out)
-    mf, mo, mst, Bm, Hm = flat_mask(mask)
+    mf, mo, mst, Bm, Hm = flat_mask(mask.array)
     G = Hq // Hkv
     n_row_chunks = (Nq + ROW_CHUNK - 1) // ROW_CHUNK
     row_chunk = u % n_row_chunks
@@ -53,8 +56,8 @@ def _unit_rows(rows_fn, q, k, v, mask, slopes, sinks, scale, softcap, out, spans
     M = np.empty(G, np.float32)
     S = np.empty(G, np.float32)
     A = np.empty(G * DV, np.float32)
-    kbase = ko + kb * kst[0] + kvh * kst[1]
-    vbase = vo + kb * vst[0] + kvh * vst[1]
+    k_rows = FlatRows(kf, ko + kb * kst[0] + kvh * kst[1], kst[2], kst[3])
+    v_rows = FlatRows(vf, vo + kb * vst[0] + kvh * vst[1], vst[2], vst[3])
     for i in range(row_chunk * ROW_CHUNK, min(Nq, (row_chunk + 1) * ROW_CHUNK)):
         load_group_queries(qf, qo + b * qst[0] + h0 * qst[1] + i * qst[2], qst[1], qst[3], qs)
         M[:] = -np.inf
@@ -62,45 +65,31 @@ def _unit_rows(rows_fn, q, k, v, mask, slopes, sinks, scale, softcap, out, spans
         A[:] = 0.0
         # the mask's hidden ends left out; np.int64(0), not a literal 0: group_rows' argument types must be
         # split_kv's, which shares its compilation
-        j0, j1 = live_range(spans, mask, b % Bm, h0, G, Hm, i, np.int64(0), Nkv)
-        rows_fn(rows, (qs, (kf, kbase, kst[2], kst[3]), (vf, vbase, vst[2], vst[3]), mf,
-                       (mo + (b % Bm) * mst[0] + i * mst[2], mst[1], mst[3], np.int64(Hm), per_head), slopes, h0, scale,
-                       softcap, j0, j1, (M, S, A), (sc, live), Nq == 1))
+        j0, j1 = live_range(mask.spans, mask.array, b % Bm, h0, G, Hm, i, np.int64(0), Nkv)
+        mask_at = MaskAt(mo + (b % Bm) * mst[0] + i * mst[2], mst[1], mst[3], np.int64(Hm), mask.per_head)
+        call_unit(group_rows, (qs, k_rows, v_rows, mf, mask_at, logits, h0, j0, j1, SoftmaxState(M, S, A),
+                               BlockScratch(sc, live), Nq == 1))
         for g in range(G):
             finalize(M[g], S[g], A, g * DV, DV, sinks[h0 + g], of, oo + b * ost[0] + i * ost[1] + (h0 + g) * ost[2],
                      ost[3])
 
 
-@kernel(inline=True)
-def _by_address(handle, args):
-    call_unit(handle, args)
-
-
 @kernel
-def _unit(q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u):
-    """The work unit ``u``. ``per_head``: True for a mask with a row per head, else None (then the per-head
-    handling of non-finite V rows is not compiled: ``attention.nonfinite.sanitised_rows``). ``rows``:
-    ``group_rows``' handle (``group_rows_handle``), called by address."""
-    _unit_rows(_by_address, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u)
-
-
-@kernel
-def _serial(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows):
+def _serial(unit, q, k, v, mask, logits, sinks, out, group_rows):
     n_units = q.shape[0] * k.shape[1] * ((q.shape[2] + ROW_CHUNK - 1) // ROW_CHUNK)
     for u in range(n_units):
-        call_unit(unit, (q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u))
+        call_unit(unit, (q, k, v, mask, logits, sinks, out, group_rows, u))
 
 
 @kernel(parallel=True)
-def _parallel(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, next_unit,
-              n_threads):
+def _parallel(unit, q, k, v, mask, logits, sinks, out, group_rows, next_unit, n_threads):
     n_units = q.shape[0] * k.shape[1] * ((q.shape[2] + ROW_CHUNK - 1) // ROW_CHUNK)
     # one iteration per thread, each taking units from the shared counter: decode has few units (one per KV
     # head), and a static split leaves a thread whose core is busy elsewhere deciding the time
     for _ in prange(n_threads):
         u = fetch_add(next_unit)
         while u < n_units:
-            call_unit(unit, (q, k, v, mask, slopes, sinks, scale, softcap, out, spans, per_head, rows, u))
+            call_unit(unit, (q, k, v, mask, logits, sinks, out, group_rows, u))
             u = fetch_add(next_unit)
 
 
@@ -124,14 +113,13 @@ def run_one_chunk(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     # Each query row streams the whole K and V of its KV head (from cache after the first rows).
     nbytes = B * Nq * Hkv * Nkv * (k.shape[3] * k.itemsize + v.shape[3] * v.itemsize)
     n_threads = _threads.threads_for(nbytes)
-    per_head = None if mask is None or mask.shape[1] == 1 else True
-    rows = group_rows_handle(k.dtype, v.dtype, None if mask is None else mask.dtype, per_head)
-    args = (element_strides(q), element_strides(k), element_strides(v),
-            None if mask is None else element_strides(mask), slopes, sinks, np.float32(scale), np.float32(softcap),
-            out, spans_of(mask, Nq), per_head, rows)
+    mask_group = mask_of(mask, Nq)
+    group_rows = group_rows_handle(k.dtype, v.dtype, None if mask is None else mask.dtype, mask_group.per_head)
+    args = (element_strides(q), element_strides(k), element_strides(v), mask_group,
+            Logits(np.float32(scale), np.float32(softcap), slopes), sinks, out, group_rows)
     with _threads.team("one_chunk", nbytes, n_threads) as launch:
         if launch.n > 1:
             call_any_layout(_parallel, STRIDED, *args, np.zeros(1, np.int64), launch.n, unit=UNIT)
         else:
             call_any_layout(_serial, STRIDED, *args, unit=UNIT)
-    check_unit(rows)
+    check_unit(group_rows)

@@ -28,6 +28,7 @@ from numba import types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 
+from .layout import FlatRows
 from .rows import ROWS
 from .softmax import live_rows
 from .._core.kernel import assume_contiguous, kernel, to_f32
@@ -65,13 +66,13 @@ def _row_scratch(vf, dv, per_head_mask):
 
 
 def v_block_rows(rows_at, n_values, jb, sc, n, every, rows, scratch, per_head_mask):
-    """V rows jb .. jb+n of a block as the row updates read them. ``rows_at`` = (f, base, rs, cs): row j at flat
-    offset ``base + j * rs`` of f, column stride cs. Float data, and quantized data without a per-head mask
-    (``per_head_mask`` None): ``rows_at`` itself (quantized rows are widened in registers). Quantized data under a
-    per-head mask (whose non-finite rows ``sanitised_rows`` copies and zeroes as float32): the rows r where some
-    head's sc[:, r] is not 0 (all n when ``every``; listed in ``rows``) are widened into ``scratch`` (row jb + r at
-    r · n_values) and (scratch, -jb · n_values, n_values, 1) is returned, so row j is again at ``base + j * rs``;
-    the other rows are not read. Kernel-only."""
+    """V rows jb .. jb+n of a block as the row updates read them. ``rows_at``: the rows as stored
+    (``attention.layout.FlatRows``). Float data, and quantized data without a per-head mask (``per_head_mask``
+    None): ``rows_at`` itself (quantized rows are widened in registers). Quantized data under a per-head mask
+    (whose non-finite rows ``sanitised_rows`` copies and zeroes as float32): the rows r where some head's sc[:, r]
+    is not 0 (all n when ``every``; listed in ``rows``) are widened into ``scratch`` (row jb + r at r · n_values)
+    and FlatRows(scratch, -jb · n_values, n_values, 1) is returned, so row j is again at
+    ``base + j * row_stride``; the other rows are not read. Kernel-only."""
     raise NotImplementedError
 
 
@@ -86,12 +87,11 @@ def _widen_block(f, base, rs, n_values, jb, sc, n, every, rows, scratch):
 @overload(v_block_rows, inline="always")
 def _v_block_rows(rows_at, n_values, jb, sc, n, every, rows, scratch, per_head_mask):
     if not isinstance(rows_at, types.BaseTuple):
-        raise TypingError("v_block_rows: expected (f, base, rs, cs)")
+        raise TypingError("v_block_rows: expected FlatRows")
     if block_bytes_of(rows_at.types[0].dtype) and not isinstance(per_head_mask, types.NoneType):
         def widen(rows_at, n_values, jb, sc, n, every, rows, scratch, per_head_mask):
-            f, base, rs, _ = rows_at
-            _widen_block(f, base, rs, n_values, jb, sc, n, every, rows, scratch)
-            return scratch, -jb * n_values, n_values, 1
+            _widen_block(rows_at.flat, rows_at.base, rows_at.row_stride, n_values, jb, sc, n, every, rows, scratch)
+            return FlatRows(scratch, -jb * n_values, n_values, 1)
         return widen
     return lambda rows_at, n_values, jb, sc, n, every, rows, scratch, per_head_mask: rows_at
 

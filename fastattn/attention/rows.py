@@ -162,6 +162,13 @@ def dot1(typingctx, qs, g, kf, o1, kcs):
     return types.float32(qs, g, kf, o1, kcs), _dot_codegen(1, 1)
 
 
+def _int64s(context, builder, value, typ) -> list:
+    """An integer argument, or each integer of a tuple argument, as int64 LLVM values."""
+    if isinstance(typ, types.BaseTuple):
+        return [as_int64(context, builder, builder.extract_value(value, i), t) for i, t in enumerate(typ)]
+    return [as_int64(context, builder, value, typ)]
+
+
 def _axpy_codegen(n_rows: int, n_heads: int):
     """A[a0 + h*DV + c] += sum over rows r of w[h, r] V_r[c] for the n_heads heads: with one row a single FMA
     (the roundings of ``attention.stream``'s column slices), with 2 or 4 rows the products summed pairwise."""
@@ -173,18 +180,18 @@ def _axpy_codegen(n_rows: int, n_heads: int):
         if n_heads == 1:  # (A, a0, DV, p0, vf, o1, vcs)
             weights = [[llargs[3]]]
             first_v = 4
-        else:  # (A, a0, DV, p, g, r_1 .. r_n, vf, o_1 .. o_n, vcs)
+        else:  # (A, a0, DV, p, g, rows, vf, offsets, vcs): rows and offsets an integer or a tuple of n_rows
             p = context.make_array(args[3])(context, builder, llargs[3])
             g = as_int64(context, builder, llargs[4], args[4])
             ldp = builder.extract_value(p.shape, 1)
-            rs = [as_int64(context, builder, llargs[5 + r], args[5 + r]) for r in range(n_rows)]
+            rs = _int64s(context, builder, llargs[5], args[5])
             weights = [[builder.load(builder.gep(p.data, [builder.add(builder.mul(builder.add(g, const(h)), ldp), r)]),
                                      align=4) for r in rs] for h in range(n_heads)]
-            first_v = 5 + n_rows
+            first_v = 6
         vf_t = args[first_v]
         vf = context.make_array(vf_t)(context, builder, llargs[first_v])
-        offsets = [as_int64(context, builder, llargs[first_v + 1 + r], args[first_v + 1 + r]) for r in range(n_rows)]
-        vcs = as_int64(context, builder, llargs[first_v + 1 + n_rows], args[first_v + 1 + n_rows])
+        offsets = _int64s(context, builder, llargs[first_v + 1], args[first_v + 1])
+        vcs = as_int64(context, builder, llargs[first_v + 2], args[first_v + 2])
         a_rows = [builder.gep(A.data, [builder.add(a0, builder.mul(const(h), DV))]) for h in range(n_heads)]
 
         def update(a, w, v):
@@ -261,19 +268,29 @@ def _check_axpy(name, A, a0, DV, p, vf, ints):
                           f"float16/bfloat16 bits or Q8_0/Q4_0 bytes and integer offsets; got {A}, {p}, {vf}")
 
 
-@intrinsic
-def axpy4x4(typingctx, A, a0, DV, p, g, r1, r2, r3, r4, vf, o1, o2, o3, o4, vcs):
-    """A[g .. g+3] += p[.., r] V row for four rows: each accumulator is loaded and stored once per four rows
-    (the per-row update is bound by its 256-bit stores)."""
-    _check_axpy("axpy4x4", A, a0, DV, p, vf, (g, r1, r2, r3, r4, o1, o2, o3, o4, vcs))
-    return types.none(A, a0, DV, p, g, r1, r2, r3, r4, vf, o1, o2, o3, o4, vcs), _axpy_codegen(4, 4)
+def _row_tuple(name, n, rows, offsets):
+    """The integers of ``rows`` and ``offsets``, tuples of ``n`` (typing of the multi-row updates)."""
+    if not (isinstance(rows, types.BaseTuple) and isinstance(offsets, types.BaseTuple)
+            and len(rows) == n and len(offsets) == n):
+        raise TypingError(f"{name}: expected tuples of {n} rows and {n} offsets, got {rows} and {offsets}")
+    return (*rows, *offsets)
 
 
 @intrinsic
-def axpy4x2(typingctx, A, a0, DV, p, g, r1, r2, vf, o1, o2, vcs):
-    """A[g .. g+3] += p[.., r1] V row o1 + p[.., r2] V row o2 (A flat, head g's DV values at a0)."""
-    _check_axpy("axpy4x2", A, a0, DV, p, vf, (g, r1, r2, o1, o2, vcs))
-    return types.none(A, a0, DV, p, g, r1, r2, vf, o1, o2, vcs), _axpy_codegen(2, 4)
+def axpy4x4(typingctx, A, a0, DV, p, g, rows, vf, offsets, vcs):
+    """A[g .. g+3] += p[.., r] V row for the four rows ``rows`` (r1, .., r4) at flat offsets ``offsets``
+    (o1, .., o4): each accumulator is loaded and stored once per four rows (the per-row update is bound by its
+    256-bit stores)."""
+    _check_axpy("axpy4x4", A, a0, DV, p, vf, (g, *_row_tuple("axpy4x4", 4, rows, offsets), vcs))
+    return types.none(A, a0, DV, p, g, rows, vf, offsets, vcs), _axpy_codegen(4, 4)
+
+
+@intrinsic
+def axpy4x2(typingctx, A, a0, DV, p, g, rows, vf, offsets, vcs):
+    """A[g .. g+3] += p[.., r1] V row o1 + p[.., r2] V row o2 for ``rows`` (r1, r2) at ``offsets`` (o1, o2) (A
+    flat, head g's DV values at a0)."""
+    _check_axpy("axpy4x2", A, a0, DV, p, vf, (g, *_row_tuple("axpy4x2", 2, rows, offsets), vcs))
+    return types.none(A, a0, DV, p, g, rows, vf, offsets, vcs), _axpy_codegen(2, 4)
 
 
 @intrinsic

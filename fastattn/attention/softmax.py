@@ -9,11 +9,21 @@ carried by ``S`` and reaches the output.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .._core.kernel import fast_exp, kernel, to_f32
 
 NEG_INF = np.float32(-np.inf)
+
+
+class Logits(NamedTuple):
+    """How a query-key dot product becomes a logit: times ``scale``, soft-capped by ``softcap`` (0: off), plus
+    the head's ALiBi slope times its mask entry."""
+    scale: np.float32
+    softcap: np.float32
+    slopes: np.ndarray  # (Hq,) float32
 
 
 @kernel(llvm_inline=True)
@@ -60,13 +70,15 @@ BLOCK_ADD = 2  # anything else: mask terms added
 
 
 @kernel(inline=True)
-def _mask_block_kind(mf, mbase, mhs, mcs, Hm, h0, G, jb, n):
+def _mask_block_kind(mf, mask_at, h0, G, jb, n):
     """The kind (BLOCK_*) of mask columns jb .. jb+n for heads h0 .. h0+G, which read min(G, Hm) mask heads.
     Reads the n entries of each without branching (vectorised); a NaN entry makes the block BLOCK_ADD."""
+    Hm = mask_at.n_heads
+    mcs = mask_at.column_stride
     live = 0
     nonzero = 0
     for t in range(min(G, Hm)):
-        start = mbase + ((h0 + t) % Hm) * mhs + jb * mcs
+        start = mask_at.base + ((h0 + t) % Hm) * mask_at.head_stride + jb * mcs
         if mcs == 1:  # two loops: a select between the two addressings inside one loop does not vectorise
             u = np.uint64(start)  # unsigned: a signed index's negative-index wrap stops vectorisation
             for r in range(n):
@@ -84,23 +96,26 @@ def _mask_block_kind(mf, mbase, mhs, mcs, Hm, h0, G, jb, n):
 
 
 @kernel(inline=True)
-def block_mask(mf, mbase, mhs, mcs, Hm, h0, G, jb, n):
+def block_mask(mf, mask_at, h0, G, jb, n):
     """(hidden, terms) of a block of n columns for heads h0 .. h0+G: hidden from every head (the caller skips it,
     its K/V unread), and whether its mask terms must be added (no mask, or an all-0 block: the scores are the
-    logits). (False, False) without a mask."""
+    logits). (False, False) without a mask. ``mf``: the flat mask (None: no mask), read at ``mask_at``
+    (``attention.layout.MaskAt``)."""
     if mf is None:
         return False, False
-    kind = _mask_block_kind(mf, mbase, mhs, mcs, Hm, h0, G, jb, n)
+    kind = _mask_block_kind(mf, mask_at, h0, G, jb, n)
     return kind == BLOCK_HIDDEN, kind == BLOCK_ADD
 
 
 @kernel(inline=True)
-def mask_terms(sc, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb):
+def mask_terms(sc, n, mf, mask_at, slopes, h0, jb):
     """sc[g, :n] = slope * mask of head h0 + g over the block's columns jb .. jb+n (nothing without a mask)."""
     if mf is not None:
+        Hm = mask_at.n_heads
+        mcs = mask_at.column_stride
         for g in range(sc.shape[0]):
             h = h0 + g
-            start = mbase + (h % Hm) * mhs + jb * mcs
+            start = mask_at.base + (h % Hm) * mask_at.head_stride + jb * mcs
             slope = slopes[h]
             for r in range(n):
                 x = to_f32(mf[start + r * mcs])

@@ -28,15 +28,16 @@ from several Python threads never share them.
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import numpy as np
 from numba import prange, types
 
 from .._core import threads as _threads
-from .group import group_rows_handle, load_group_queries
-from .layout import element_strides, flat4, flat_mask, live_range, no_sinks, spans_of
+from .group import BlockScratch, SoftmaxState, group_rows_handle, load_group_queries
+from .layout import FlatRows, MaskAt, element_strides, flat4, flat_mask, live_range, mask_of, no_sinks
 from .rows import ROWS
-from .softmax import finalize
+from .softmax import Logits, finalize
 from .._core.kernel import (argument_positions, call_any_layout, call_unit, check_unit, fast_exp, fetch_add, kernel,
                              work_unit)
 
@@ -51,6 +52,15 @@ MAX_CHUNKS = 32
 NEG_INF = np.float32(-np.inf)
 
 _local = threading.local()
+
+
+class Chunks(NamedTuple):
+    """The KV range cut into chunks of ``rows`` rows (``chunking``) and each chunk's partial softmax, float32 per
+    (batch, KV head, chunk): running max ``M`` and sum ``S`` (.., G) and unnormalised output ``A`` (.., G * DV)."""
+    rows: int
+    M: np.ndarray
+    S: np.ndarray
+    A: np.ndarray
 
 
 def chunking(n_kv: int) -> tuple[int, int]:
@@ -76,18 +86,18 @@ def _partials(B: int, Hkv: int, n_chunks: int, G: int, DV: int):
     return buffers
 
 
-
-
 @kernel
-def _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, per_head, group, u):
-    """Unit ``u`` (module docstring); ``group``: ``group_rows``' handle (``group_rows_handle``), called by address."""
+def _chunk(q, k, v, mask, logits, chunks, group_rows, u):
+    """Unit ``u`` (module docstring). ``mask``: ``attention.layout.Mask``; ``logits``: ``attention.softmax.Logits``;
+    ``chunks``: ``Chunks``; ``group_rows``: ``group_rows``' handle (``group_rows_handle``), called by address."""
     B, Hq, _, DK = q.shape
     Bk, Hkv, Nkv = k.shape[0], k.shape[1], k.shape[2]
     qf, qo, qst = flat4(q)
     kf, ko, kst = flat4(k)
     vf, vo, vst = flat4(v)
-    mf, mo, mst, Bm, Hm = flat_mask(mask)
-    n_chunks = Mp.shape[2]
+    mf, mo, mst, Bm, Hm = flat_mask(mask.array)
+    rows = chunks.rows
+    n_chunks = chunks.M.shape[2]
     G = Hq // Hkv
     c = u % n_chunks
     kvh = (u // n_chunks) % Hkv
@@ -98,29 +108,31 @@ def _chunk(q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, per_h
     sc = np.empty((G, ROWS), np.float32)
     live = np.empty(ROWS, np.int64)
     load_group_queries(qf, qo + b * qst[0] + h0 * qst[1], qst[1], qst[3], qs)
-    M = Mp[b, kvh, c]
-    S = Sp[b, kvh, c]
+    M = chunks.M[b, kvh, c]
+    S = chunks.S[b, kvh, c]
     M[:] = -np.inf
     S[:] = 0.0
     # The unit accumulates into its own scratch and copies it out once: accumulating straight into the partial
     # buffer (units 2 KiB apart) ran 15-30% slower in interleaved runs, likely store/load address aliasing with
     # the V rows.
-    A = np.zeros(Ap.shape[3], np.float32)
+    A = np.zeros(chunks.A.shape[3], np.float32)
     # the chunk's rows less the mask's hidden ends: a chunk outside the live keys leaves the empty partial
-    j0, j1 = live_range(spans, mask, b % Bm, h0, G, Hm, np.int64(0), c * rows, min(Nkv, (c + 1) * rows))
+    j0, j1 = live_range(mask.spans, mask.array, b % Bm, h0, G, Hm, np.int64(0), c * rows, min(Nkv, (c + 1) * rows))
+    k_rows = FlatRows(kf, ko + kb * kst[0] + kvh * kst[1], kst[2], kst[3])
+    v_rows = FlatRows(vf, vo + kb * vst[0] + kvh * vst[1], vst[2], vst[3])
+    mask_at = MaskAt(mo + (b % Bm) * mst[0], mst[1], mst[3], np.int64(Hm), mask.per_head)
     # streaming as a bool, not a literal True: the argument types are one_chunk's, which shares the compilation
-    call_unit(group, (qs, (kf, ko + kb * kst[0] + kvh * kst[1], kst[2], kst[3]),
-                      (vf, vo + kb * vst[0] + kvh * vst[1], vst[2], vst[3]), mf,
-                      (mo + (b % Bm) * mst[0], mst[1], mst[3], np.int64(Hm), per_head), slopes, h0, scale, softcap,
-                      j0, j1, (M, S, A), (sc, live), q.shape[2] == 1))
-    out_partial = Ap[b, kvh, c]
-    for d in range(A.shape[0]):  # not ``Ap[b, kvh, c] = A``: that compiles NumPy's shape-error formatting
+    call_unit(group_rows, (qs, k_rows, v_rows, mf, mask_at, logits, h0, j0, j1, SoftmaxState(M, S, A),
+                           BlockScratch(sc, live), q.shape[2] == 1))
+    out_partial = chunks.A[b, kvh, c]
+    for d in range(A.shape[0]):  # not ``chunks.A[b, kvh, c] = A``: that compiles NumPy's shape-error formatting
         out_partial[d] = A[d]
 
 
 @kernel
-def _fold(Mp, Sp, Ap, sinks, out, bh):
+def _fold(chunks, sinks, out, bh):
     """Reduce the chunks of (b, query head) in chunk order and write out[b, 0, h]."""
+    Mp, Sp, Ap = chunks.M, chunks.S, chunks.A
     Hkv, n_chunks, G = Mp.shape[1], Mp.shape[2], Mp.shape[3]
     DV = Ap.shape[3] // G
     of, oo, ost = flat4(out)
@@ -148,17 +160,16 @@ def _fold(Mp, Sp, Ap, sinks, out, bh):
 
 
 @kernel
-def _serial(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap, spans, per_head, group):
-    for u in range(Mp.shape[0] * Mp.shape[1] * Mp.shape[2]):
-        call_unit(unit, (q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, per_head, group, u))
+def _serial(unit, q, k, v, mask, logits, sinks, out, chunks, group_rows):
+    for u in range(chunks.M.shape[0] * chunks.M.shape[1] * chunks.M.shape[2]):
+        call_unit(unit, (q, k, v, mask, logits, chunks, group_rows, u))
     for bh in range(q.shape[0] * q.shape[1]):
-        _fold(Mp, Sp, Ap, sinks, out, bh)
+        _fold(chunks, sinks, out, bh)
 
 
 @kernel(parallel=True)
-def _parallel(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp, Sp, Ap, spans, per_head, group,
-              next_unit, n_threads):
-    n_units = Mp.shape[0] * Mp.shape[1] * Mp.shape[2]
+def _parallel(unit, q, k, v, mask, logits, sinks, out, chunks, group_rows, next_unit, n_threads):
+    n_units = chunks.M.shape[0] * chunks.M.shape[1] * chunks.M.shape[2]
     # One iteration per thread. The units are cut into n_threads ranges of adjacent units (adjacent KV chunks of
     # a head: one stream of rows); thread t takes units from range t's counter, then helps the other ranges in
     # turn (a unit's result does not depend on the thread that runs it, so the output stays bit-identical).
@@ -171,15 +182,15 @@ def _parallel(unit, q, k, v, mask, slopes, sinks, scale, softcap, out, rows, Mp,
             counter = next_unit[r * COUNTER_STRIDE:r * COUNTER_STRIDE + 1]
             u = lo + fetch_add(counter)
             while u < hi:
-                call_unit(unit, (q, k, v, mask, slopes, scale, softcap, rows, Mp, Sp, Ap, spans, per_head, group, u))
+                call_unit(unit, (q, k, v, mask, logits, chunks, group_rows, u))
                 u = lo + fetch_add(counter)
     # The folds are ~1% of the work: on the calling thread, saving a second fork-join of the pool.
     for bh in range(q.shape[0] * q.shape[1]):
-        _fold(Mp, Sp, Ap, sinks, out, bh)
+        _fold(chunks, sinks, out, bh)
 
 
 #: The drivers' unit (``_core.kernel.work_unit``): ``_chunk`` on the drivers' arguments of its parameters' names
-#: and a unit number; ``per_head`` as one_chunk's (``attention.one_chunk.UNIT``).
+#: and a unit number; ``mask`` as one_chunk's (``attention.one_chunk.UNIT``).
 UNIT = work_unit(_chunk, _serial, _parallel, extra=(types.int64,))
 #: The driver's arguments read through flat4: compiled for any layout.
 STRIDED = argument_positions(_serial, "q", "k", "v", "mask", "out")
@@ -202,18 +213,17 @@ def run_split_kv(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
         sinks = no_sinks(Hq)
     sinks = np.ascontiguousarray(sinks)  # Hq floats: contiguous keeps one specialisation
     n_chunks, rows = chunking(Nkv)
-    Mp, Sp, Ap = _partials(B, Hkv, n_chunks, Hq // Hkv, DV)
+    chunks = Chunks(rows, *_partials(B, Hkv, n_chunks, Hq // Hkv, DV))
     nbytes = B * Hkv * Nkv * (k.shape[3] * k.itemsize + v.shape[3] * v.itemsize)
     n_threads = _threads.threads_for(nbytes)
-    per_head = None if mask is None or mask.shape[1] == 1 else True
-    group = group_rows_handle(k.dtype, v.dtype, None if mask is None else mask.dtype, per_head)
-    args = (element_strides(q), element_strides(k), element_strides(v),
-            None if mask is None else element_strides(mask), slopes, sinks, np.float32(scale), np.float32(softcap),
-            out, rows, Mp, Sp, Ap, spans_of(mask, 1), per_head, group)
+    mask_group = mask_of(mask, 1)
+    group_rows = group_rows_handle(k.dtype, v.dtype, None if mask is None else mask.dtype, mask_group.per_head)
+    args = (element_strides(q), element_strides(k), element_strides(v), mask_group,
+            Logits(np.float32(scale), np.float32(softcap), slopes), sinks, out, chunks, group_rows)
     with _threads.team("split_kv", nbytes, n_threads) as launch:
         if launch.n > 1:
             call_any_layout(_parallel, STRIDED, *args, np.zeros(launch.n * COUNTER_STRIDE, np.int64), launch.n,
                             unit=UNIT)
         else:
             call_any_layout(_serial, STRIDED, *args, unit=UNIT)
-    check_unit(group)
+    check_unit(group_rows)

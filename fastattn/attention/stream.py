@@ -127,7 +127,7 @@ def _values_of_columns(A, DV, p, rows, n, vf, vbase, vrs, c0):
 
 
 @kernel
-def stream_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch):
+def stream_rows(qs, k_rows, v_rows, mf, mask_at, logits, h0, j0, j1, state, scratch):
     """``group_rows`` (same arguments) for float32 K/V read once (decode), with K and V read side by side.
 
     Blocks of ROWS rows again, but the V rows of block b are consumed in the same row loop as the K rows of
@@ -148,15 +148,15 @@ def stream_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0,
     - row by row otherwise: one V row of block b per iteration added to every head's A (``axpy4``). Reading K
       and V rows side by side keeps more bandwidth than reading them block after block; row pairs were slower.
     """
-    kf, kbase, krs, kcs = k_rows
-    vf, vbase, vrs, vcs = v_rows
-    mbase, mhs, mcs, Hm, per_head_mask = mask_at
-    M, S, A = state
-    sc, rows = scratch
+    kf, kbase, krs, kcs = k_rows.flat, k_rows.base, k_rows.row_stride, k_rows.column_stride
+    vf, vbase, vrs, vcs = v_rows.flat, v_rows.base, v_rows.row_stride, v_rows.column_stride
+    scale, softcap = logits.scale, logits.softcap
+    M, S, A = state.M, state.S, state.A
+    sc, rows = scratch.scores, scratch.rows
     G = qs.shape[0]
     DV = A.shape[0] // G
     unmasked = mf is None
-    per_head = mf is not None and Hm > 1  # mixed rows possible (see group_rows)
+    per_head = mf is not None and mask_at.n_heads > 1  # mixed rows possible (see group_rows)
     # the caller's scratch (sc, rows) and a second pair, swapped after every block
     cur = sc  # scores, then weights, of the block being scored
     prev = np.empty((G, ROWS), np.float32)  # weights of the block whose V rows are being added
@@ -174,13 +174,13 @@ def stream_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0,
     for jb in range(j0, j1 + ROWS, ROWS):
         n = max(0, min(ROWS, j1 - jb))  # 0: the pass after the last block, adding its V rows only
         # group_rows' step 0 (the final pass, n == 0, is never skipped: it adds the last block's V rows)
-        hidden, terms = block_mask(mf, mbase, mhs, mcs, Hm, h0, G, jb, n) if n > 0 else (False, False)
+        hidden, terms = block_mask(mf, mask_at, h0, G, jb, n) if n > 0 else (False, False)
         if hidden:
             # skipped, its K/V rows not read. The pending V rows of the last block scored are added in the next
             # pass that runs, still before its softmax step, in the same order
             continue
         if terms:
-            mask_terms(cur, n, mf, mbase, mhs, mcs, Hm, slopes, h0, jb)
+            mask_terms(cur, n, mf, mask_at, logits.slopes, h0, jb)
         n_cur = live_rows(cur, 0, G, n, not terms, NEG_INF, cur_rows)
         if by_columns:
             done = 0  # column slices of the previous block's V rows added so far
@@ -209,25 +209,25 @@ def stream_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0,
         block_weights(cur, n, M, S, A)
         n_prev = live_rows(cur, 0, G, n, unmasked, np.float32(0.0), cur_rows)
         if per_head:
-            n_prev = drop_mixed(per_head_mask, A, DV, cur, cur_rows, n_prev, vf, vbase + jb * vrs, vrs, vcs)
+            n_prev = drop_mixed(mask_at.per_head, A, DV, cur, cur_rows, n_prev, vf, vbase + jb * vrs, vrs, vcs)
         cur, prev = prev, cur
         cur_rows, prev_rows = prev_rows, cur_rows
         prev_jb = jb
 
 
-def stream_if_float32(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch):
+def stream_if_float32(qs, k_rows, v_rows, mf, mask_at, logits, h0, j0, j1, state, scratch):
     """Run ``stream_rows`` and return True when K and V are float32; else return False. Chosen while typing, so
     float16/bfloat16 callers never compile ``stream_rows`` (seconds of a first decode call)."""
     raise NotImplementedError("compiled code only")
 
 
 @overload(stream_if_float32, inline="always")
-def _stream_if_float32(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch):
+def _stream_if_float32(qs, k_rows, v_rows, mf, mask_at, logits, h0, j0, j1, state, scratch):
     if k_rows.types[0].dtype == types.float32 and v_rows.types[0].dtype == types.float32:
-        def run(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch):
-            stream_rows(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch)
+        def run(qs, k_rows, v_rows, mf, mask_at, logits, h0, j0, j1, state, scratch):
+            stream_rows(qs, k_rows, v_rows, mf, mask_at, logits, h0, j0, j1, state, scratch)
             return True
     else:
-        def run(qs, k_rows, v_rows, mf, mask_at, slopes, h0, scale, softcap, j0, j1, state, scratch):
+        def run(qs, k_rows, v_rows, mf, mask_at, logits, h0, j0, j1, state, scratch):
             return False
     return run

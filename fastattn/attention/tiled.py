@@ -40,6 +40,8 @@ docs/attention_tiled.md has the measurements.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import prange, types
 
@@ -47,6 +49,7 @@ from .._core import threads as _threads
 from .tiled_products import (BLOCK_COLS, BLOCK_ROWS, block_scores, block_values, exp_pass, fma_f32,
                              values_skipping_zeros)
 from .quantized import widen_rows
+from .softmax import Logits
 from .._core.kernel import (argument_positions, assume_contiguous, call_any_layout, call_unit, fast_exp, fetch_add,
                              kernel, to_f32, work_unit)
 
@@ -69,6 +72,28 @@ _INF = np.float32(np.inf)
 
 
 MASK_SKIP, MASK_ZERO, MASK_ADD = 0, 1, 2  # a mask block: all -inf / all 0 / anything else
+
+
+class TileMask(NamedTuple):
+    """The mask as the tiled kernels take it."""
+    array: np.ndarray  # the kernel view (Bm, Hm, Nm, Nkv); a placeholder, never read, without a mask
+    blocks: np.ndarray  # (Bm, Hm, Q tiles, KV tiles, 3) int64: each block's (kind, lo, hi) (_classify_mask_blocks)
+    present: bool  # False: no mask
+
+
+class TileScratch(NamedTuple):
+    """The thread slots' scratch (module docstring), each array's first axis the slot."""
+    qt: np.ndarray
+    ks: np.ndarray
+    vs: np.ndarray
+    st: np.ndarray
+    mt: np.ndarray
+    o: np.ndarray
+    m: np.ndarray
+    l: np.ndarray
+    alpha: np.ndarray
+    tile_max: np.ndarray
+    kinds: np.ndarray  # (slots, heads, 3) int64: per head the mask kind and live KV rows [lo, hi) of the KV tile
 
 
 @kernel
@@ -220,11 +245,10 @@ def _finish_task(out, m, l, o, sinks, has_sinks, b, h_first, n_heads, i0, nq):
 
 
 @kernel
-def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
-          slot_qt, slot_ks, slot_vs, slot_st, slot_mt, slot_o, slot_m, slot_l, slot_alpha, slot_tile_max, slot_kinds,
-          slot, position):
+def _task(q, k, v, mask, logits, sinks, has_sinks, out, scratch, slot, position):
     """Task number ``position`` (``_task_of``: Q rows of a Q tile for a block of query heads of one KV head) on
-    thread slot ``slot``'s scratch. The drivers' unit, called by address: the drivers hold no copy of its code."""
+    thread slot ``slot``'s scratch (``TileScratch``). ``mask``: ``TileMask``; ``logits``:
+    ``attention.softmax.Logits``. The drivers' unit, called by address: the drivers hold no copy of its code."""
     B, Hq, Nq, DK = q.shape
     Bk, Hkv, Nkv, _ = k.shape
     group = Hq // Hkv
@@ -232,14 +256,14 @@ def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, soft
     h_first = g * group + head_block * HEADS_PER_TASK
     n_heads = min(HEADS_PER_TASK, group - head_block * HEADS_PER_TASK)
     i0 = q_tile * Q_TILE
-    qt, ks, vs, st, mt = slot_qt[slot], slot_ks[slot], slot_vs[slot], slot_st[slot], slot_mt[slot]
-    o, m, l, alpha = slot_o[slot], slot_m[slot], slot_l[slot], slot_alpha[slot]
-    tile_max, kinds = slot_tile_max[slot], slot_kinds[slot]
+    qt, ks, vs, st, mt = scratch.qt[slot], scratch.ks[slot], scratch.vs[slot], scratch.st[slot], scratch.mt[slot]
+    o, m, l, alpha = scratch.o[slot], scratch.m[slot], scratch.l[slot], scratch.alpha[slot]
+    tile_max, kinds = scratch.tile_max[slot], scratch.kinds[slot]
     dv_pad = vs.shape[1]
     nq = min(Q_TILE, Nq - i0)
     row_blocks = -(-nq // BLOCK_ROWS)
     bk = b // (B // Bk)
-    bm = b % mask.shape[0]
+    bm = b % mask.array.shape[0]
     k_plane = k[bk, g]
     v_plane = v[bk, g]
     # a tile's weights are summed apart, then added to l: added one by one, every key rounded l at its own
@@ -256,11 +280,11 @@ def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, soft
         for hh in range(n_heads):
             h = h_first + hh
             info = kinds[hh]
-            if has_mask:  # a -inf entry hides its key whatever the slope (0 when ALiBi's underflows)
+            if mask.present:  # a -inf entry hides its key whatever the slope (0 when ALiBi's underflows)
                 # element by element: an array-to-array slice assignment compiles NumPy's shape-error message
                 # formatting (about a second of a first call)
                 for x in range(3):
-                    info[x] = blocks[bm, h % mask.shape[1], q_tile, kv_tile, x]
+                    info[x] = mask.blocks[bm, h % mask.array.shape[1], q_tile, kv_tile, x]
             else:
                 info[0] = MASK_ZERO
                 info[1] = 0
@@ -283,13 +307,13 @@ def _task(q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, soft
             for rb in range(lo // BLOCK_ROWS, -(-hi // BLOCK_ROWS)):
                 for cb in range(c0, c0 + Q_TILE, BLOCK_COLS):
                     block_scores(ks, qt, st, rb * BLOCK_ROWS, cb, DK)
-            if kind == MASK_ADD and h % mask.shape[1] != loaded_plane:
-                loaded_plane = h % mask.shape[1]
-                _copy_mask_block(mask[bm, loaded_plane], i0, nq, j0, nk, mt)
+            if kind == MASK_ADD and h % mask.array.shape[1] != loaded_plane:
+                loaded_plane = h % mask.array.shape[1]
+                _copy_mask_block(mask.array[bm, loaded_plane], i0, nq, j0, nk, mt)
             # Softmax over whole Q_TILE columns (padding columns of a short tile hold finite scores): loops of
             # a compile-time trip count vectorise without a scalar remainder.
             t_max = tile_max[c0:c0 + Q_TILE]
-            _logits(st, mt, t_max, lo, hi, c0, kind == MASK_ADD, slopes[h], scale, softcap)
+            _logits(st, mt, t_max, lo, hi, c0, kind == MASK_ADD, logits.slopes[h], logits.scale, logits.softcap)
             m_h = m[c0:c0 + Q_TILE]
             l_h = l[c0:c0 + Q_TILE]
             a_h = alpha[c0:c0 + Q_TILE]
@@ -335,28 +359,20 @@ def _n_tasks(q, k):
 
 
 @kernel
-def _run_serial(unit, next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
-                slot_qt, slot_ks, slot_vs, slot_st, slot_mt, slot_o, slot_m, slot_l, slot_alpha, slot_tile_max,
-                slot_kinds):
+def _run_serial(unit, next_task, q, k, v, mask, logits, sinks, has_sinks, out, scratch):
     for position in range(_n_tasks(q, k)):
-        call_unit(unit, (q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
-                         slot_qt, slot_ks, slot_vs, slot_st, slot_mt, slot_o, slot_m, slot_l, slot_alpha,
-                         slot_tile_max, slot_kinds, np.int64(0), np.int64(position)))
+        call_unit(unit, (q, k, v, mask, logits, sinks, has_sinks, out, scratch, np.int64(0), np.int64(position)))
 
 
 @kernel(parallel=True)
-def _run_parallel(unit, next_task, q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
-                  slot_qt, slot_ks, slot_vs, slot_st, slot_mt, slot_o, slot_m, slot_l, slot_alpha, slot_tile_max,
-                  slot_kinds):
+def _run_parallel(unit, next_task, q, k, v, mask, logits, sinks, has_sinks, out, scratch):
     """Each thread slot runs tasks on its own scratch until none is left, taking the next task number from the
     shared counter ``next_task`` (dynamic scheduling: a slot slowed down by another process simply runs fewer)."""
     n_tasks = _n_tasks(q, k)
-    for slot in prange(slot_qt.shape[0]):
+    for slot in prange(scratch.qt.shape[0]):
         position = fetch_add(next_task)
         while position < n_tasks:
-            call_unit(unit, (q, k, v, mask, blocks, has_mask, slopes, sinks, has_sinks, scale, softcap, out,
-                             slot_qt, slot_ks, slot_vs, slot_st, slot_mt, slot_o, slot_m, slot_l, slot_alpha,
-                             slot_tile_max, slot_kinds, np.int64(slot), position))
+            call_unit(unit, (q, k, v, mask, logits, sinks, has_sinks, out, scratch, np.int64(slot), position))
             position = fetch_add(next_task)
 
 
@@ -367,8 +383,8 @@ _NO_SINKS = np.zeros(1, np.float32)
 #: thread slot and a task number.
 UNIT = work_unit(_task, _run_serial, _run_parallel, extra=(types.int64, types.int64))
 #: The drivers' arguments from the caller, typed any layout (the scratch after them stays C-contiguous).
-_USER_ARGS = argument_positions(_run_serial, "next_task", "q", "k", "v", "mask", "blocks", "has_mask", "slopes",
-                                "sinks", "has_sinks", "scale", "softcap", "out")
+_USER_ARGS = argument_positions(_run_serial, "next_task", "q", "k", "v", "mask", "logits", "sinks", "has_sinks",
+                                "out")
 
 
 def run_tiled(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, slopes: np.ndarray,
@@ -411,15 +427,15 @@ def _run_tiles(run, n_slots: int, q, k, v, mask, slopes, sinks, scale: float, so
     mt = np.zeros((n_slots, KV_TILE, Q_TILE), np.float32)
     o = np.zeros((n_slots, cols, dv_pad), np.float32)
     m, l, alpha, tile_max = (np.zeros((n_slots, cols), np.float32) for _ in range(4))
-    kinds = np.zeros((n_slots, heads, 3), np.int64)  # per head: mask kind and live KV rows [lo, hi)
-    has_mask = mask is not None
-    if has_mask:
+    kinds = np.zeros((n_slots, heads, 3), np.int64)
+    scratch = TileScratch(qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds)
+    if mask is not None:
         blocks = np.empty(mask.shape[:2] + (-(-Nq // Q_TILE), -(-Nkv // KV_TILE), 3), np.int64)
         call_any_layout(_classify_mask_blocks, range(3), mask, Nq, blocks)
+        tile_mask = TileMask(mask, blocks, True)
     else:
-        mask, blocks = _NO_MASK, _NO_BLOCKS
+        tile_mask = TileMask(_NO_MASK, _NO_BLOCKS, False)
     next_task = np.zeros(1, np.int64)  # the task counter the thread slots share
-    args = (next_task, q, k, v, mask, blocks, has_mask, slopes,
-            _NO_SINKS if sinks is None else sinks, sinks is not None, np.float32(scale), np.float32(softcap), out,
-            qt, ks, vs, st, mt, o, m, l, alpha, tile_max, kinds)
+    args = (next_task, q, k, v, tile_mask, Logits(np.float32(scale), np.float32(softcap), slopes),
+            _NO_SINKS if sinks is None else sinks, sinks is not None, out, scratch)
     call_any_layout(run, _USER_ARGS, *args, unit=UNIT)
