@@ -51,8 +51,8 @@ from .nonfinite import sanitised_rows
 from .quantized import row_elements, row_scratch, v_block_rows
 from .rows import ROWS, axpy1, axpy4, axpy4x2, axpy4x4, dot1, dot4, dot4x2, prefetch_row
 from .softmax import NEG_INF, Logits, block_mask, block_weights, live_rows, mask_terms, store_score
-from .stream import stream_if_float32
-from .._core.kernel import kernel, unit_address
+from .stream import stream_if_float32, stream_rows
+from .._core.kernel import FLOAT32, kernel, unit_address
 
 #: Software prefetch distances: K rows this many bytes ahead of the rows being scored, V rows this many (at
 #: least the next block). With cold K/V the arithmetic of a block left too few misses in flight for the hardware
@@ -273,14 +273,25 @@ def _rows_types(k_dtype: np.dtype, v_dtype: np.dtype, mask_dtype: np.dtype | Non
     return tuple(by_name[name] for name in inspect.signature(group_rows.py_func).parameters)
 
 
+@kernel
+def stream_group_rows(qs, k_rows, v_rows, mf, mask_at, logits, h0, j0, j1, state, scratch, streaming):
+    """``group_rows`` for a call of one query row over float32 K/V: ``stream_rows`` alone, which is what
+    ``group_rows`` runs for such a row, without compiling ``group_rows``' other loops (seconds of a first float32
+    decode call)."""
+    stream_rows(qs, k_rows, v_rows, mf, mask_at, logits, h0, j0, j1, state, scratch)
+
+
 def group_rows_handle(k_dtype: np.dtype, v_dtype: np.dtype, mask_dtype: np.dtype | None,
-                      per_head: bool | None) -> np.ndarray:
+                      per_head: bool | None, one_query_row: bool = False) -> np.ndarray:
     """``group_rows``' address (``_core.kernel.unit_address``) for the argument types the one_chunk and split_kv units
     pass it: K/V and mask kernel-view dtypes (``mask_dtype`` None: no mask), ``per_head`` None or True as the
     units' ``per_head``. The units call it by address: linked into each unit, its code would be optimised and
-    emitted again for each (about 2 s per unit and dtype combination)."""
-    key = (k_dtype, v_dtype, mask_dtype, per_head)
+    emitted again for each (about 2 s per unit and dtype combination). ``one_query_row`` with float32 K/V:
+    ``stream_group_rows``' address instead (the same results: the code ``group_rows`` runs for such calls)."""
+    streaming = one_query_row and k_dtype == FLOAT32 and v_dtype == FLOAT32
+    key = (k_dtype, v_dtype, mask_dtype, per_head, streaming)
     handle = _handles.get(key)
     if handle is None:
-        handle = _handles[key] = unit_address(group_rows, _rows_types(k_dtype, v_dtype, mask_dtype, per_head))
+        handle = _handles[key] = unit_address(stream_group_rows if streaming else group_rows,
+                                              _rows_types(k_dtype, v_dtype, mask_dtype, per_head))
     return handle

@@ -114,7 +114,8 @@ def run_one_chunk(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     nbytes = B * Nq * Hkv * Nkv * (k.shape[3] * k.itemsize + v.shape[3] * v.itemsize)
     n_threads = _threads.threads_for(nbytes)
     mask_group = mask_of(mask, Nq)
-    group_rows = group_rows_handle(k.dtype, v.dtype, None if mask is None else mask.dtype, mask_group.per_head)
+    group_rows = group_rows_handle(k.dtype, v.dtype, None if mask is None else mask.dtype, mask_group.per_head,
+                                   Nq == 1)
     args = (element_strides(q), element_strides(k), element_strides(v), mask_group,
             Logits(np.float32(scale), np.float32(softcap), slopes), sinks, out, group_rows)
     with _threads.team("one_chunk", nbytes, n_threads) as launch:

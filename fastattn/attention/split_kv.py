@@ -217,7 +217,8 @@ def run_split_kv(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     nbytes = B * Hkv * Nkv * (k.shape[3] * k.itemsize + v.shape[3] * v.itemsize)
     n_threads = _threads.threads_for(nbytes)
     mask_group = mask_of(mask, 1)
-    group_rows = group_rows_handle(k.dtype, v.dtype, None if mask is None else mask.dtype, mask_group.per_head)
+    group_rows = group_rows_handle(k.dtype, v.dtype, None if mask is None else mask.dtype, mask_group.per_head,
+                                   q.shape[2] == 1)
     args = (element_strides(q), element_strides(k), element_strides(v), mask_group,
             Logits(np.float32(scale), np.float32(softcap), slopes), sinks, out, chunks, group_rows)
     with _threads.team("split_kv", nbytes, n_threads) as launch:
