@@ -19,6 +19,12 @@ LAYERS = {"_core": 0, "quant": 1, "norm": 2, "rows": 2, "rope": 2, "attention": 
           "testing": 4, "integrations": 5, "jobs": 5, "__main__": 6, "__init__": 6}
 #: The longest function a reader is asked to hold.
 MAX_FUNCTION_LINES = 100
+#: The most parameters a function takes; more are grouped (named tuples).
+MAX_PARAMETERS = 12
+#: Functions whose signatures mirror ggml's or FlashAttention's (excepted from MAX_PARAMETERS): the public ones on
+#: both sides, and the argument parsers that take their arguments as they come.
+MIRRORED_SIGNATURES = {"rope_ext", "rope_set_rows", "rope_cache", "flash_attn_func", "flash_attn_varlen_func",
+                       "flash_attn_with_kvcache", "parse_varlen", "parse_kvcache"}
 #: The decorators that compile a kernel; only ``_core/kernel.py`` may call Numba's own.
 NUMBA_DECORATORS = {"njit", "jit", "generated_jit", "vectorize", "guvectorize", "cfunc"}
 
@@ -93,6 +99,19 @@ def test_no_function_is_longer_than_a_reader_can_hold():
                 length = node.end_lineno - node.lineno + 1
                 if length > MAX_FUNCTION_LINES:
                     wrong.append(f"{_where(path, node.lineno)}: {node.name} has {length} lines")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_function_takes_more_parameters_than_a_reader_can_hold():
+    """At most MAX_PARAMETERS parameters per function, but those mirroring ggml's or FlashAttention's signatures."""
+    wrong = []
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                count = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs)
+                if count > MAX_PARAMETERS and node.name not in MIRRORED_SIGNATURES:
+                    wrong.append(f"{_where(path, node.lineno)}: {node.name} takes {count} parameters")
     assert not wrong, "\n".join(wrong)
 
 
