@@ -60,15 +60,30 @@ def _copy_block(rows_at, page_stride, table, size, first, n, copy):
     length = copy.shape[0] // ROWS
     step = 64 // f.itemsize
     lines = -(-length // step) if cs == 1 else 0
+    page = first // size
+    row = first % size  # the row's place in its page, and the same for the row ROWS further on
+    ahead_page = (first + ROWS) // size
+    ahead_row = (first + ROWS) % size
     for r in range(n):
-        row = first + r
-        src = base + table[row // size] * page_stride + (row % size) * rs
-        dst = r * length
-        for c in range(length):
-            copy[dst + c] = f[src + c * cs]
-        ahead = row + ROWS
-        if ahead // size < table.shape[0]:
-            prefetch_row(f, base + table[ahead // size] * page_stride + (ahead % size) * rs, lines, step)
+        src = base + table[page] * page_stride + row * rs
+        dst = np.uint64(r * length)
+        if cs == 1:  # unsigned offsets: the copy vectorises (a signed index's wrap check stops it)
+            at = np.uint64(src)
+            for c in range(length):
+                copy[dst + np.uint64(c)] = f[at + np.uint64(c)]
+        else:
+            for c in range(length):
+                copy[dst + np.uint64(c)] = f[src + c * cs]
+        if ahead_page < table.shape[0]:
+            prefetch_row(f, base + table[ahead_page] * page_stride + ahead_row * rs, lines, step)
+        row += 1
+        if row == size:
+            row = 0
+            page += 1
+        ahead_row += 1
+        if ahead_row == size:
+            ahead_row = 0
+            ahead_page += 1
 
 
 @kernel
