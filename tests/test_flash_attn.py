@@ -574,6 +574,24 @@ def test_fast_paged_varlen_matches_the_packed_call(page, dtype):
     assert got.tobytes() == expected.tobytes()  # the same rows through the pages: the same kernels' result
 
 
+@pytest.mark.parametrize("page", [1, 16, 32, 48, 256])
+@pytest.mark.parametrize("num_splits", [0, 1, 2])
+def test_fast_paged_kvcache_is_the_contiguous_call(page, num_splits):
+    """Decode over a batch of paged sequences of other lengths and left pads (one kernel call for the batch, or
+    split_kv per sequence): bit-identical to the same call over the contiguous caches, for pages smaller than a
+    block of the kernels (every block copied), multiples of it (read in place) and neither."""
+    rng = np.random.default_rng(page)
+    k_cache, v_cache = fill(rng, (3, 600, 2, 32), F16), fill(rng, (3, 600, 2, 32), F16)
+    k_pages, table = paged(np.random.default_rng(page), k_cache, page)
+    v_pages, _ = paged(np.random.default_rng(page), v_cache, page)
+    q = fill(rng, (3, 1, 8, 32), F32)
+    live = dict(cache_seqlens=np.array([600, 37, 300], np.int32), cache_leftpad=np.array([5, 0, 70], np.int32),
+                num_splits=num_splits, causal=True, return_softmax_lse=True)
+    out, lse = fa.flash_attn_with_kvcache(q, k_pages, v_pages, block_table=table, **live)
+    expected, expected_lse = fa.flash_attn_with_kvcache(q, k_cache, v_cache, **live)
+    assert out.tobytes() == expected.tobytes() and lse.tobytes() == expected_lse.tobytes()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Bad input: refused by both sides, naming the argument, before anything is written.
 def _kv_case(**changes):

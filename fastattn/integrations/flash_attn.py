@@ -270,14 +270,15 @@ def _paged_attention(sequences, k_cache, v_cache, block_table: np.ndarray, score
     (1, H, Sq) or None) of ``sequences``, the rows [start, end) of sequence b's pages, in the layout and with the
     rules of ``_attend``. ``whole``: None, or (q4, out, lse) of the batch whose entries 0, 1, ... the sequences
     are: when no sequence needs a mask (decode without window or ALiBi) they run in one kernel call, their
-    (batch, KV head) units in parallel; otherwise one call per sequence, as its mask is its own."""
+    (batch, KV head) units in parallel; otherwise one call per sequence, as its mask is its own. split_kv runs
+    per sequence too: its chunks are then the sequence's own, as over a contiguous cache."""
     if append is not None:
         append()
     k_pages, v_pages = _pages_view(k_cache), _pages_view(v_cache)
     page = k_cache.shape[1]
     starts = [start for _, _, (start, _), _, _, _ in sequences]
     ends = [end for _, _, (_, end), _, _, _ in sequences]
-    if whole is not None and not any(_args.needs_mask(scores, q4.shape[2], end - start)
+    if whole is not None and path != "split_kv" and not any(_args.needs_mask(scores, q4.shape[2], end - start)
                                      for _, q4, (start, end), _, _, _ in sequences):
         q4, out, lse = whole
         if q4.shape[2] > 0 and any(end > start for start, end in zip(starts, ends)):
