@@ -9,8 +9,7 @@ ratio:
   their sum), and, in a benchmark of its own, torch SDPA (``is_causal``, ``enable_gqa``) on the batch padded to
   2048 (target: >= 1.5x faster);
 - paged decode: ``flash_attn_with_kvcache`` over a float16 paged cache (pages of 16 rows, shuffled), 8 sequences
-  of 1k to 8k rows, against the same call over contiguous caches (target: <= 1.15x). Skipped until the kernels
-  read K/V through a block table (phase 2 of the work);
+  of 1k to 8k rows, against the same call over contiguous caches (target: <= 1.15x);
 - decode step with append and rotary: batch 8, 4096 live rows, float16 cache, one new K/V row each rotated with
   NEOX tables, against the attention alone (the same call without k, v and tables; target: <= 1.10x);
 - decode-sized call: batch 1, 256 live rows of a float16 cache, against ``flash_attn_ext`` on the same rows with
@@ -112,10 +111,7 @@ def test_paged_decode_paired(benchmark):
     contiguous, pages, table = _paged_caches(rng, DECODE_LENGTHS)
     q = rng.standard_normal((len(DECODE_LENGTHS), 1, HQ, D), dtype=np.float32).astype(np.float16)
     seqlens = np.array(DECODE_LENGTHS, np.int32)
-    try:
-        flash_attn_with_kvcache(q, *pages, cache_seqlens=seqlens, block_table=table)
-    except NotImplementedError:
-        pytest.skip("paged caches on the fast side: phase 2 (the kernels reading K/V through block_table)")
+    flash_attn_with_kvcache(q, *pages, cache_seqlens=seqlens, block_table=table)  # compiled before the rounds
     calls = {"paged": lambda: flash_attn_with_kvcache(q, *pages, cache_seqlens=seqlens, block_table=table),
              "contiguous": lambda: flash_attn_with_kvcache(q, *contiguous, cache_seqlens=seqlens)}
     medians = paired(benchmark, calls, group="flash_attn paged decode, page 16, 8 sequences of 1k-8k, float16",

@@ -5,8 +5,8 @@ float32 outputs meet the contract's rule (2x a straightforward float32 evaluatio
 floor); float16 and bfloat16 outputs are within 1 ulp of the correctly rounded reference (or within the float32
 rule's bound where the value cancels). Properties over lengths (0 included), windows, causal, ALiBi, softcap, GQA
 ratios, dtypes and page sizes; FlashAttention's documented causal examples; a cross-check against torch's SDPA;
-bad input refused, naming the argument, with nothing written. The fast side's paged caches are phase 2 of the
-work: their tests expect NotImplementedError (strict xfail) until the kernels read K/V through a block table.
+bad input refused, naming the argument, with nothing written. Paged caches: the fast side within the rule of the
+reference, and bit-identical to the same rows passed contiguously (the kernels walk the same blocks).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from attention_cases import FLOOR
 from strategies import BFLOAT16, fill, seeds
@@ -32,8 +32,6 @@ from fastattn.testing import assert_half_within_1ulp, assert_within_rule, max_ab
 F32, F16, F64 = np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)
 DTYPES = [F32, F16] + ([BFLOAT16] if BFLOAT16 is not None else [])
 LIBS = [fa, ref_fa]
-PAGED_PHASE_2 = pytest.mark.xfail(raises=NotImplementedError, strict=True,
-                                  reason="paged caches on the fast side: phase 2 (kernels reading a block table)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -477,7 +475,7 @@ def test_kvcache_appends_then_attends_as_the_reference(call):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Paged caches: the reference gathers through block_table (the definition); the fast side is phase 2.
+# Paged caches: the reference gathers through block_table (the definition); the fast side reads the pages in place.
 def paged(rng, cache, page: int):
     """The contiguous cache (entries, S, Hk, D) as shuffled pages of ``page`` rows (and 3 spare pages, NaN-filled
     where values are floats): (paged cache, block_table (entries, ceil(S / page)) int32)."""
@@ -534,8 +532,6 @@ def test_reference_paged_cache_is_the_contiguous_cache_read_through_its_pages(ca
     assert unpaged(v_pages_after, table, rows).tobytes() == memory(v_after).tobytes()
 
 
-@PAGED_PHASE_2
-@settings(phases=[Phase.generate])  # no shrinking while it fails as a whole (phase 1)
 @given(case=paged_kvcache_calls(), seed=seeds)
 def test_fast_paged_kvcache_matches_reference(case, seed):
     call, page = case
@@ -569,7 +565,6 @@ def test_reference_paged_varlen_is_the_packed_call(page):
     assert got.tobytes() == reference.flash_attn_varlen_func(q, packed, packed, *args, causal=True).tobytes()
 
 
-@PAGED_PHASE_2
 @pytest.mark.parametrize("page", [1, 3, 16])
 @pytest.mark.parametrize("dtype", [F32, F16])
 def test_fast_paged_varlen_matches_the_packed_call(page, dtype):
@@ -577,6 +572,24 @@ def test_fast_paged_varlen_matches_the_packed_call(page, dtype):
     got = fa.flash_attn_varlen_func(q, k_pages, k_pages, *args, causal=True, window_size=(4, 0), block_table=table)
     expected = fa.flash_attn_varlen_func(q, packed, packed, *args, causal=True, window_size=(4, 0))
     assert got.tobytes() == expected.tobytes()  # the same rows through the pages: the same kernels' result
+
+
+@pytest.mark.parametrize("page", [1, 16, 32, 48, 256])
+@pytest.mark.parametrize("num_splits", [0, 1, 2])
+def test_fast_paged_kvcache_is_the_contiguous_call(page, num_splits):
+    """Decode over a batch of paged sequences of other lengths and left pads (one kernel call for the batch, or
+    split_kv per sequence): bit-identical to the same call over the contiguous caches, for pages smaller than a
+    block of the kernels (every block copied), multiples of it (read in place) and neither."""
+    rng = np.random.default_rng(page)
+    k_cache, v_cache = fill(rng, (3, 600, 2, 32), F16), fill(rng, (3, 600, 2, 32), F16)
+    k_pages, table = paged(np.random.default_rng(page), k_cache, page)
+    v_pages, _ = paged(np.random.default_rng(page), v_cache, page)
+    q = fill(rng, (3, 1, 8, 32), F32)
+    live = dict(cache_seqlens=np.array([600, 37, 300], np.int32), cache_leftpad=np.array([5, 0, 70], np.int32),
+                num_splits=num_splits, causal=True, return_softmax_lse=True)
+    out, lse = fa.flash_attn_with_kvcache(q, k_pages, v_pages, block_table=table, **live)
+    expected, expected_lse = fa.flash_attn_with_kvcache(q, k_cache, v_cache, **live)
+    assert out.tobytes() == expected.tobytes() and lse.tobytes() == expected_lse.tobytes()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -686,18 +699,6 @@ def test_func_refuses_dropout_heads_and_batches(lib):
         lib.flash_attn_func(q, k, k, deterministic="yes")
 
 
-@PAGED_PHASE_2
-def test_fast_paged_kvcache_raises_before_writing():
-    """Phase 1: the paged call stops at _paged_attention, before the append: the caches are untouched."""
-    call = _kv_case(k_cache=np.zeros((6, 8, 2, 32), F16), v_cache=np.zeros((6, 8, 2, 32), F16),
-                    block_table=np.array([[0, 1], [2, 5]], np.int32))
-    before = memory(call["k_cache"]).copy()
-    try:
-        fa.flash_attn_with_kvcache(**call)
-    finally:
-        assert memory(call["k_cache"]).tobytes() == before.tobytes()
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Signatures: FlashAttention's, the same on both sides.
 FLASH_ATTN_SIGNATURES = {
@@ -757,7 +758,6 @@ def test_doc_snippets_run(index):
     exec(compile(SNIPPETS[index], f"docs/flash_attn.md snippet {index}", "exec"), {"__name__": "doc"})
 
 
-@PAGED_PHASE_2
 def test_doc_paged_loop_runs_on_the_fast_side():
     paged_loop = next(s for s in SNIPPETS if "block_table" in s)
     code = paged_loop.replace(next(line for line in paged_loop.splitlines() if "fastattn.reference" in line),

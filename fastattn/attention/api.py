@@ -29,6 +29,7 @@ import numpy as np
 from .._core import threads as _threads
 from . import args as _args
 from .one_chunk import run_one_chunk
+from .paged import Pages
 from .split_kv import run_split_kv
 from .tiled import Q_TILE, run_tiled
 from .._core.kernel import FLOAT16, FLOAT32, kernel_view
@@ -136,22 +137,28 @@ def flash_attn_ext_slopes(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.
 
 
 def flash_attn_ext_checked(q: np.ndarray, k, v, mask: np.ndarray | None, slopes: np.ndarray, scale: float,
-                           logit_softcap: float, path: str, out: np.ndarray) -> None:
+                           logit_softcap: float, path: str, out: np.ndarray, pages: Pages | None = None) -> None:
     """``flash_attn_ext_slopes`` without the argument checks, for a caller whose arguments are valid by
     construction (``fastattn.integrations.flash_attn``, after ``fastattn.attention.flash_args`` checked them): q
     (B, Hq, Nq, DK) float32, k/v as ``flash_attn_ext`` takes them, no axis empty, mask None or (Nq, Nkv)
     float32/float16, slopes (Hq,) float32 contiguous and writeable, scale and logit_softcap in float32's range,
     ``path`` valid for Nq, out (B, Nq, Hq, DV) float32 overlapping no input. The checks cost a decode-sized
-    call several microseconds; invalid arguments here are undefined behaviour."""
+    call several microseconds; invalid arguments here are undefined behaviour.
+
+    With ``pages`` (``attention.paged.Pages``, table entries valid pages, live rows within the table), k/v are
+    paged caches as (num_pages, Hkv, P, DK|DV) views and batch entry b attends over its live rows read through the
+    table (Nkv, the mask's columns: the longest live range). ``auto`` chooses as for contiguous K/V of that Nkv,
+    with one_chunk where that would be tiled (tiled does not read pages); ``tiled`` is not a paged path."""
     a = _args.AttentionArgs(q, k, v, None if mask is None else mask[None, None], scale, 0.0, logit_softcap, None,
                             path, out, out.shape)
-    _run(a, q, k, v, slopes, out)
+    _run(a, q, k, v, slopes, out, pages)
 
 
-def _run(a: _args.AttentionArgs, q, k, v, slopes: np.ndarray, out) -> np.ndarray:
-    """Choose the path of a parsed call and run it with ``slopes`` (Hq,) float32."""
+def _run(a: _args.AttentionArgs, q, k, v, slopes: np.ndarray, out, pages: Pages | None = None) -> np.ndarray:
+    """Choose the path of a parsed call and run it with ``slopes`` (Hq,) float32 (and ``pages``, see
+    ``flash_attn_ext_checked``)."""
     B, Hq, Nq, _ = q.shape
-    Nkv = k.shape[2]
+    Nkv = k.shape[2] if pages is None else int((pages.ends - pages.starts).max())
     if a.path == "auto":
         name = choose_path(B, Nq, k.shape[1], Nkv, _storage(k), _storage(v), _threads.get_num_threads())
     else:
@@ -159,6 +166,10 @@ def _run(a: _args.AttentionArgs, q, k, v, slopes: np.ndarray, out) -> np.ndarray
     if name == "split_kv" and Nq != 1:
         raise ValueError(f"path 'split_kv' is for decode: q must have Nq = 1 query row, got q.shape {q.shape}")
     result = np.empty(a.out_shape, FLOAT32) if out is None else out
-    _runner(name)(q, _kv_kernel_view(k), _kv_kernel_view(v), None if a.mask is None else kernel_view(a.mask), slopes,
-                  a.sinks, a.scale, a.logit_softcap, result)
+    args = (q, _kv_kernel_view(k), _kv_kernel_view(v), None if a.mask is None else kernel_view(a.mask), slopes,
+            a.sinks, a.scale, a.logit_softcap, result)
+    if pages is None:
+        _runner(name)(*args)
+    else:
+        (run_split_kv if name == "split_kv" else run_one_chunk)(*args, pages)
     return result

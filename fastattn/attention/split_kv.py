@@ -36,6 +36,7 @@ from numba import prange, types
 from .._core import threads as _threads
 from .group import BlockScratch, SoftmaxState, group_rows_handle, load_group_queries
 from .layout import FlatRows, MaskAt, element_strides, flat4, flat_mask, live_range, mask_of, no_sinks
+from .paged import copies_for, paged_group_rows
 from .rows import ROWS
 from .softmax import Logits, finalize
 from .._core.kernel import (argument_positions, call_any_layout, call_unit, check_unit, fast_exp, fetch_add, kernel,
@@ -87,9 +88,10 @@ def _partials(B: int, Hkv: int, n_chunks: int, G: int, DV: int):
 
 
 @kernel
-def _chunk(q, k, v, mask, logits, chunks, group_rows, u):
+def _chunk(q, k, v, mask, logits, chunks, group_rows, pages, u):
     """Unit ``u`` (module docstring). ``mask``: ``attention.layout.Mask``; ``logits``: ``attention.softmax.Logits``;
-    ``chunks``: ``Chunks``; ``group_rows``: ``group_rows``' handle (``group_rows_handle``), called by address."""
+    ``chunks``: ``Chunks``; ``group_rows``: ``group_rows``' handle (``group_rows_handle``), called by address;
+    ``pages``: None, or ``attention.paged.Pages`` with k, v the pages (as ``attention.one_chunk``'s unit)."""
     B, Hq, _, DK = q.shape
     Bk, Hkv, Nkv = k.shape[0], k.shape[1], k.shape[2]
     qf, qo, qst = flat4(q)
@@ -102,7 +104,6 @@ def _chunk(q, k, v, mask, logits, chunks, group_rows, u):
     c = u % n_chunks
     kvh = (u // n_chunks) % Hkv
     b = u // (n_chunks * Hkv)
-    kb = b // (B // Bk)
     h0 = kvh * G
     qs = np.empty((G, DK), np.float32)
     sc = np.empty((G, ROWS), np.float32)
@@ -117,13 +118,25 @@ def _chunk(q, k, v, mask, logits, chunks, group_rows, u):
     # the V rows.
     A = np.zeros(chunks.A.shape[3], np.float32)
     # the chunk's rows less the mask's hidden ends: a chunk outside the live keys leaves the empty partial
-    j0, j1 = live_range(mask.spans, mask.array, b % Bm, h0, G, Hm, np.int64(0), c * rows, min(Nkv, (c + 1) * rows))
+    if pages is None:
+        kb = b // (B // Bk)
+        n_kv = Nkv
+    else:  # page 0's rows; paged_group_rows finds the pages
+        kb = 0
+        n_kv = pages.ends[b] - pages.starts[b]
+        copies = copies_for(kf, k.shape[3], vf, v.shape[3])
+    c0 = min(n_kv, c * rows)  # a paged sequence shorter than the longest may have empty chunks
+    j0, j1 = live_range(mask.spans, mask.array, b % Bm, h0, G, Hm, np.int64(0), c0, min(n_kv, (c + 1) * rows))
     k_rows = FlatRows(kf, ko + kb * kst[0] + kvh * kst[1], kst[2], kst[3])
     v_rows = FlatRows(vf, vo + kb * vst[0] + kvh * vst[1], vst[2], vst[3])
     mask_at = MaskAt(mo + (b % Bm) * mst[0], mst[1], mst[3], np.int64(Hm), mask.per_head)
     # streaming as a bool, not a literal True: the argument types are one_chunk's, which shares the compilation
-    call_unit(group_rows, (qs, k_rows, v_rows, mf, mask_at, logits, h0, j0, j1, SoftmaxState(M, S, A),
-                           BlockScratch(sc, live), q.shape[2] == 1))
+    args = (qs, k_rows, v_rows, mf, mask_at, logits, h0, j0, j1, SoftmaxState(M, S, A), BlockScratch(sc, live),
+            q.shape[2] == 1)
+    if pages is None:
+        call_unit(group_rows, args)
+    else:
+        paged_group_rows(group_rows, args, pages, b, (kst[0], vst[0]), copies)
     out_partial = chunks.A[b, kvh, c]
     for d in range(A.shape[0]):  # not ``chunks.A[b, kvh, c] = A``: that compiles NumPy's shape-error formatting
         out_partial[d] = A[d]
@@ -160,16 +173,17 @@ def _fold(chunks, sinks, out, bh):
 
 
 @kernel
-def _serial(unit, q, k, v, mask, logits, sinks, out, chunks, group_rows):
+def _serial(unit, q, k, v, mask, logits, sinks, out, chunks, group_rows, pages):
     for u in range(chunks.M.shape[0] * chunks.M.shape[1] * chunks.M.shape[2]):
-        call_unit(unit, (q, k, v, mask, logits, chunks, group_rows, u))
+        call_unit(unit, (q, k, v, mask, logits, chunks, group_rows, pages, u))
     for bh in range(q.shape[0] * q.shape[1]):
         _fold(chunks, sinks, out, bh)
 
 
 @kernel(parallel=True)
-def _parallel(unit, q, k, v, mask, logits, sinks, out, chunks, group_rows, next_unit, n_threads):
+def _parallel(unit, q, k, v, mask, logits, sinks, out, chunks, group_rows, pages, next_unit):
     n_units = chunks.M.shape[0] * chunks.M.shape[1] * chunks.M.shape[2]
+    n_threads = next_unit.shape[0] // COUNTER_STRIDE  # one counter per thread
     # One iteration per thread. The units are cut into n_threads ranges of adjacent units (adjacent KV chunks of
     # a head: one stream of rows); thread t takes units from range t's counter, then helps the other ranges in
     # turn (a unit's result does not depend on the thread that runs it, so the output stays bit-identical).
@@ -182,7 +196,7 @@ def _parallel(unit, q, k, v, mask, logits, sinks, out, chunks, group_rows, next_
             counter = next_unit[r * COUNTER_STRIDE:r * COUNTER_STRIDE + 1]
             u = lo + fetch_add(counter)
             while u < hi:
-                call_unit(unit, (q, k, v, mask, logits, chunks, group_rows, u))
+                call_unit(unit, (q, k, v, mask, logits, chunks, group_rows, pages, u))
                 u = lo + fetch_add(counter)
     # The folds are ~1% of the work: on the calling thread, saving a second fork-join of the pool.
     for bh in range(q.shape[0] * q.shape[1]):
@@ -196,11 +210,13 @@ UNIT = work_unit(_chunk, _serial, _parallel, extra=(types.int64,))
 STRIDED = argument_positions(_serial, "q", "k", "v", "mask", "out")
 
 
-def run_split_kv(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
+def run_split_kv(q, k, v, mask, slopes, sinks, scale, softcap, out, pages=None) -> None:
     """Decode attention into ``out`` (B, 1, Hq, DV) float32: q (B, Hq, 1, DK) float32, k/v kernel views
     (Bk, Hkv, Nkv, DK|DV) (quantized: their bytes, ``quant.bytes_view``), mask None or a kernel view
     (Bm, Hm, Nm, Nkv), slopes (Hq,) float32, sinks None or (Hq,) float32; scale and softcap Python floats
-    (softcap 0 = off). Every input may be strided.
+    (softcap 0 = off). Every input may be strided. With ``pages`` (``attention.paged.Pages``), k/v are the pages
+    (num_pages, Hkv, P, DK|DV), sequence b's KV rows its live rows read through the block table; the chunks are
+    those of the longest sequence's rows (Nkv), so a batch of one chunks as the contiguous call does.
 
     Raises ValueError (before writing anything) when Nq != 1.
     """
@@ -208,23 +224,26 @@ def run_split_kv(q, k, v, mask, slopes, sinks, scale, softcap, out) -> None:
     if Nq != 1:
         raise ValueError(f"path 'split_kv' is for decode: q must have Nq = 1 query row, got q.shape {q.shape}")
     Hkv, Nkv = k.shape[1], k.shape[2]
+    rows_read = B * Nkv
+    if pages is not None:
+        Nkv = max(1, int((pages.ends - pages.starts).max()))
+        rows_read = int((pages.ends - pages.starts).sum())
     DV = out.shape[3]  # v's last axis counts bytes when V is quantized
     if sinks is None:
         sinks = no_sinks(Hq)
     sinks = np.ascontiguousarray(sinks)  # Hq floats: contiguous keeps one specialisation
     n_chunks, rows = chunking(Nkv)
     chunks = Chunks(rows, *_partials(B, Hkv, n_chunks, Hq // Hkv, DV))
-    nbytes = B * Hkv * Nkv * (k.shape[3] * k.itemsize + v.shape[3] * v.itemsize)
+    nbytes = Hkv * rows_read * (k.shape[3] * k.itemsize + v.shape[3] * v.itemsize)
     n_threads = _threads.threads_for(nbytes)
     mask_group = mask_of(mask, 1)
     group_rows = group_rows_handle(k.dtype, v.dtype, None if mask is None else mask.dtype, mask_group.per_head,
                                    q.shape[2] == 1)
     args = (element_strides(q), element_strides(k), element_strides(v), mask_group,
-            Logits(np.float32(scale), np.float32(softcap), slopes), sinks, out, chunks, group_rows)
+            Logits(np.float32(scale), np.float32(softcap), slopes), sinks, out, chunks, group_rows, pages)
     with _threads.team("split_kv", nbytes, n_threads) as launch:
         if launch.n > 1:
-            call_any_layout(_parallel, STRIDED, *args, np.zeros(launch.n * COUNTER_STRIDE, np.int64), launch.n,
-                            unit=UNIT)
+            call_any_layout(_parallel, STRIDED, *args, np.zeros(launch.n * COUNTER_STRIDE, np.int64), unit=UNIT)
         else:
             call_any_layout(_serial, STRIDED, *args, unit=UNIT)
     check_unit(group_rows)

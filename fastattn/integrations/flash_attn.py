@@ -14,7 +14,8 @@ How the calls run on the kernels (``flash_attn_ext_checked``: ``flash_attn_ext``
 slopes, its arguments checked here):
 - q is read through a (B, H, Sq, D) view (widened to float32 first when it is float16/bfloat16); K and V through
   (B, Hk, Sk, D) views of their arrays: a varlen sequence is a slice of the packed arrays, a cache entry's live rows
-  a slice of the cache. Nothing is gathered, padded or copied; each sequence runs on its own rows.
+  a slice of the cache. Nothing is gathered, padded or copied (but the blocks of 32 rows that straddle two pages of
+  a paged cache, copied one at a time into a work unit's scratch); each sequence runs on its own rows.
 - The output is written straight into FlashAttention's (B, Sq, H, DV) layout, the kernels' own.
 - Causal, window and ALiBi become a mask whose entry depends only on the key's offset from the query's diagonal,
   so every (Sq, Sk) mask is a strided view (row stride -1) of one cached 1-D table per (window, ALiBi): no
@@ -22,8 +23,9 @@ slopes, its arguments checked here):
 - ``softmax_lse`` (``return_attn_probs`` / ``return_softmax_lse``) is computed by a separate float32 NumPy pass
   (a BLAS product per head over the same live rows): the kernels do not return their row maxima and sums yet, so
   asking for it costs about one more pass over K.
-- A paged cache (``block_table``) goes through ``_paged_attention``, which needs the kernels to read K/V rows through
-  the block table: until they do, it raises NotImplementedError (after the argument checks, before any write).
+- A paged cache (``block_table``) goes through ``_paged_attention``: the kernels read its pages in place through
+  the block table (``attention.paged``), the whole batch in one call when no sequence needs a mask, else one call
+  per sequence; the output is bit-identical to the same rows in a contiguous cache on the same path.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from .._core.tensors import tensors_in_tensors_out
 from ..attention import flash_args as _args
 from ..attention.api import flash_attn_ext_checked
 from ..attention.flash_args import FAST_FLOATS, Scores
+from ..attention.paged import Pages, pages_of
 from ..quant.api import dequantize
 from ..quant.blocks import Quantized
 from ..rope.api import RopeCache, apply_rope_cache, apply_rope_cache_set_rows, rope_cache_from_tables
@@ -90,10 +93,13 @@ def _ones(heads: int) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------------------------
 # One block of sequences: the kernels, then the optional logsumexp.
 def _attend(q4: np.ndarray, k4, v4, scores: Scores, slopes: np.ndarray | None, out: np.ndarray, path: str,
-            lse: np.ndarray | None) -> None:
+            lse: np.ndarray | None, pages: Pages | None = None) -> None:
     """Attention of q4 (B, H, Sq, D) float32 over k4, v4 (B, Hk, Sk, D|DV) into out (B, Sq, H, DV) float32 (views);
-    ``slopes`` (H,) float32 with ALiBi; ``lse`` (B, H, Sq) float32 to fill, or None."""
-    sq, sk = q4.shape[2], k4.shape[2]
+    ``slopes`` (H,) float32 with ALiBi; ``lse`` (B, H, Sq) float32 to fill, or None. With ``pages``
+    (``attention.paged.Pages`` of one sequence), k4, v4 are pages (num_blocks, Hk, page, D|DV) read through its
+    block table, Sk its live rows (``lse`` then None: the caller computes it on the gathered rows)."""
+    sq = q4.shape[2]
+    sk = k4.shape[2] if pages is None else int(pages.ends[0] - pages.starts[0])
     if sq == 0:
         return
     if sk == 0:  # no key: zeros, as every row whose keys are all hidden
@@ -104,7 +110,7 @@ def _attend(q4: np.ndarray, k4, v4, scores: Scores, slopes: np.ndarray | None, o
     mask = mask_view(scores, sq, sk)
     # flash_args has checked everything flash_attn_ext_slopes would check again (a decode step's microseconds)
     flash_attn_ext_checked(q4, k4, v4, mask, _ones(q4.shape[1]) if slopes is None else slopes, scores.scale,
-                           scores.softcap, path, out)
+                           scores.softcap, path, out, pages)
     if lse is not None:
         _lse(q4, k4, scores, slopes, mask, lse)
 
@@ -257,17 +263,56 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 
 def _paged_attention(sequences, k_cache, v_cache, block_table: np.ndarray, scores: Scores, path: str,
-                     append=None) -> None:
-    """Attention over paged caches (num_blocks, page, Hk, D), K/V rows read through ``block_table``: ``append``
-    (None, or a function writing the new rows) runs first; then for each (b, q4 (1, H, Sq, D) float32, (start,
-    end) the live logical rows of sequence b, slopes, out (1, Sq, H, DV), lse (1, H, Sq) or None) of
-    ``sequences``, the rows [start, end) of sequence b's pages, in the layout and with the rules of ``_attend``.
+                     append=None, whole=None) -> None:
+    """Attention over paged caches (num_blocks, page, Hk, D), K/V rows read through ``block_table`` by the kernels
+    (``attention.paged``): ``append`` (None, or a function writing the new rows) runs first; then for each (b, q4
+    (1, H, Sq, D) float32, (start, end) the live logical rows of sequence b, slopes, out (1, Sq, H, DV), lse
+    (1, H, Sq) or None) of ``sequences``, the rows [start, end) of sequence b's pages, in the layout and with the
+    rules of ``_attend``. ``whole``: None, or (q4, out, lse) of the batch whose entries 0, 1, ... the sequences
+    are: when no sequence needs a mask (decode without window or ALiBi) they run in one kernel call, their
+    (batch, KV head) units in parallel; otherwise one call per sequence, as its mask is its own. split_kv runs
+    per sequence too: its chunks are then the sequence's own, as over a contiguous cache."""
+    if append is not None:
+        append()
+    k_pages, v_pages = _pages_view(k_cache), _pages_view(v_cache)
+    page = k_cache.shape[1]
+    starts = [start for _, _, (start, _), _, _, _ in sequences]
+    ends = [end for _, _, (_, end), _, _, _ in sequences]
+    if whole is not None and path != "split_kv" and not any(_args.needs_mask(scores, q4.shape[2], end - start)
+                                     for _, q4, (start, end), _, _, _ in sequences):
+        q4, out, lse = whole
+        if q4.shape[2] > 0 and any(end > start for start, end in zip(starts, ends)):
+            flash_attn_ext_checked(q4, k_pages, v_pages, None, _ones(q4.shape[1]), scores.scale, scores.softcap,
+                                   path, out, pages_of(block_table, page, starts, ends))
+        else:  # no query row, or no key in any sequence
+            out[...] = 0.0
+        sequences = [(b, q4, live, None, None, rows_lse) for b, q4, live, _, _, rows_lse in sequences]
+    for b, q4, (start, end), slopes, out, rows_lse in sequences:
+        pages = pages_of(block_table[b:b + 1], page, starts[b:b + 1], ends[b:b + 1])
+        if out is not None:
+            _attend(q4, k_pages, v_pages, scores, slopes, out, path, None, pages)
+        if rows_lse is not None and end == start:  # no key: +inf, as _attend gives
+            rows_lse[...] = np.inf
+        elif rows_lse is not None and q4.shape[2] > 0:
+            _lse(q4, _gathered(k_cache, block_table[b], start, end), scores, slopes,
+                 mask_view(scores, q4.shape[2], end - start), rows_lse)
 
-    The kernels read K/V through strides, and a page table is no stride: reading the pages in place (no gather)
-    needs the kernels to take the block table, which they do not yet. Until then this raises, before ``append``
-    writes anything."""
-    raise NotImplementedError("paged caches: phase 2 (the attention kernels reading K/V rows through "
-                              "block_table); pass contiguous caches for now")
+
+def _pages_view(cache):
+    """A paged cache (num_blocks, page, Hk, D) as the kernels read its pages: (num_blocks, Hk, page, D)."""
+    if isinstance(cache, Quantized):
+        return Quantized(cache.data.transpose(0, 2, 1, 3), cache.qtype)
+    return cache.transpose(0, 2, 1, 3)
+
+
+def _gathered(cache, table: np.ndarray, start: int, end: int):
+    """Logical rows [start, end) of a paged cache's sequence of pages ``table``, gathered as (1, Hk, rows, D) (for
+    the logsumexp pass, which copies its rows anyway)."""
+    rows = np.arange(start, end)
+    index = (table[rows // cache.shape[1]], rows % cache.shape[1])
+    if isinstance(cache, Quantized):
+        return Quantized(cache.data[index].transpose(1, 0, 2)[None], cache.qtype)
+    return cache[index].transpose(1, 0, 2)[None]
 
 
 def _cache_rows(cache) -> tuple[object, int] | None:
@@ -402,7 +447,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         sequences = [(b, q4[b:b + 1], a.live(b), _batch_slopes(a.scores, b), out[b:b + 1],
                       None if lse is None else lse[b:b + 1]) for b in range(batch)]
         _paged_attention(sequences, k_cache, v_cache, a.block_table, a.scores, path,
-                         None if a.k is None else functools.partial(_append, a))
+                         None if a.k is None else functools.partial(_append, a), (q4, out, lse))
     else:
         if a.k is not None:
             _append(a)
