@@ -126,10 +126,10 @@ def _transformers_quantized_bytes(qtype: str, most: float | None) -> Row:
 HEADS = "Hq 32, Hkv 8, D 128"
 ROWS: list[Row] = [
     _norm("rms_norm_mul", 512, "≥ 70% of the copy's bandwidth", ('ratio', '>=', 0.70)),
-    _norm("rms_norm_mul", 1, "≤ 3 µs", ('time', '<=', 3e-6)),
+    _norm("rms_norm_mul", 1, "≤ 5 µs", ("time", "<=", 5e-6)),
     _norm("add_rms_norm_mul", 512, "", None),
     _set_rows(512, "≤ 0.1 ms", ('time', '<=', 1e-4)),
-    _set_rows(1, "≤ 3 µs", ('time', '<=', 3e-6)),
+    _set_rows(1, "≤ 5 µs", ("time", "<=", 5e-6)),
     Row("set_rows", "512 rows of 1024 float32 into a (4096, 1024) Q8_0 cache", Pick("set_rows_q8_0[fast-{t}]"),
         Pick("set_rows_q8_0[reference-{t}]"), target="≤ 0.15 ms", goal=('time', '<=', 1.5e-4)),
     Row("rope_ext NEOX, out of place", "(512, 32, 128) float32",
@@ -145,7 +145,7 @@ ROWS: list[Row] = [
         other=("contiguous", Pick("neox_in_place_fused_qkv_paired[{t}]", "contiguous_us")), ratio="time",
         target="≤ 1.10× contiguous", goal=('ratio', '<=', 1.10)),
     Row("apply_rope_cache, in place, prebuilt cache", "(1, 32, 128) float32",
-        Pick("decode[apply_rope_cache in place-{t}]"), target="≤ 3 µs", goal=('time', '<=', 3e-6)),
+        Pick("decode[apply_rope_cache in place-{t}]"), target="≤ 5 µs", goal=("time", "<=", 5e-6)),
     Row("rope_set_rows, fused", "K (512, 8, 128) float32 into a float16 cache",
         Pick("rope_set_rows[rope_set_rows (fused)-{t}]"),
         other=("rope_ext + set_rows", Pick("rope_set_rows[rope_ext + set_rows-{t}]")), ratio="faster",

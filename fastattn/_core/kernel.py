@@ -404,19 +404,50 @@ def _any_layout_type(t):
     return t
 
 
+#: dispatcher -> the argument positions its Python calls type any layout (``_any_layout_dispatch``).
+_ANY_LAYOUT_POSITIONS: dict = {}
+
+
+def _any_layout_dispatch(dispatcher, strided) -> None:
+    """Make ``dispatcher``'s calls from Python run its any-layout specialisations: when Numba's C dispatcher meets
+    argument types it has no entry for, it asks ``_compile_for_args`` for one; this instance's answer compiles (or
+    loads from the cache) the specialisation with the arrays at ``strided`` (and those of any earlier call site)
+    typed any layout, and registers it for the exact types met, so that later calls of those types take Numba's C
+    fast path straight to it. Kernels that call ``dispatcher`` are typed as before."""
+    positions = _ANY_LAYOUT_POSITIONS.get(dispatcher, frozenset()) | frozenset(strided)
+    _ANY_LAYOUT_POSITIONS[dispatcher] = positions
+
+    def compile_any_layout(*args, **kwargs):
+        exact = [typeof(a) for a in args]
+        signature = tuple(_any_layout_type(t) if i in positions else t for i, t in enumerate(exact))
+        dispatcher.compile(signature)
+        result = dispatcher.overloads[signature]
+        dispatcher._insert([t._code for t in exact], result.entry_point, result.objectmode)
+        return result.entry_point
+
+    dispatcher._compile_for_args = compile_any_layout
+
+
 def call_any_layout(dispatcher, strided, *args, unit=None):
     """Call ``dispatcher`` with the arrays at positions ``strided`` (arrays, or tuples holding arrays: parameter
     groups) typed as any layout ('A') and writeable.
 
     Numba would otherwise compile one specialisation (seconds each) per combination of contiguous and strided
     inputs; kernels that read their inputs through strides need only one per dtype combination. The other
-    arrays (scratch the caller allocates) stay C-contiguous so that loops over them vectorise. The compiled entry
-    point is called directly (it accepts C arrays for 'A' parameters), skipping the dispatcher's search.
+    arrays (scratch the caller allocates) stay C-contiguous so that loops over them vectorise.
 
-    ``unit`` = (kernel, shared, extra): ``dispatcher`` is a driver whose first parameter is the handle of its work
-    unit (``call_unit``), and the unit takes the driver's arguments at the positions ``shared`` (of ``args``)
-    followed by arguments of the types ``extra``; the handle is prepended to ``args``.
+    Without a unit the call goes through Numba's own dispatcher (its C fast path: a fraction of a microsecond),
+    which ``_compile_any_layout`` teaches, at each new combination of argument types, to run the any-layout
+    specialisation. ``unit`` = (kernel, shared, extra): ``dispatcher`` is a driver whose first parameter is the
+    handle of its work unit (``call_unit``), and the unit takes the driver's arguments at the positions ``shared``
+    (of ``args``) followed by arguments of the types ``extra``; the handle is prepended to ``args``, and the
+    compiled entry point is looked up here and called directly.
     """
+    if unit is None:
+        known = _ANY_LAYOUT_POSITIONS.get(dispatcher)
+        if known is None or not known.issuperset(strided):
+            _any_layout_dispatch(dispatcher, strided)
+        return dispatcher(*args)
     key = [dispatcher]
     for i, a in enumerate(args):  # a plain loop, one flags object per array: decode calls build this key each time
         if a.__class__ is _ND:  # _arg_key's first case, inline: the common argument
@@ -429,17 +460,12 @@ def call_any_layout(dispatcher, strided, *args, unit=None):
     cached = _any_layout_entries.get(key)
     if cached is None:
         signature = tuple(_any_layout_type(t) if i in strided else t for i, t in enumerate(map(typeof, args)))
-        handle = None
-        if unit is not None:
-            unit_kernel, shared, extra = unit
-            unit_types = tuple(signature[i] for i in shared) + tuple(extra)
-            signature = (HANDLE_TYPE,) + signature
-            handle = unit_address(unit_kernel, unit_types)
+        unit_kernel, shared, extra = unit
+        handle = unit_address(unit_kernel, tuple(signature[i] for i in shared) + tuple(extra))
+        signature = (HANDLE_TYPE,) + signature
         dispatcher.compile(signature)
         cached = _any_layout_entries[key] = (dispatcher.overloads[signature].entry_point, handle)
     entry, handle = cached
-    if handle is None:
-        return entry(*args)
     result = entry(handle, *args)
     check_unit(handle)
     return result
