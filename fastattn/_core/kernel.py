@@ -334,7 +334,7 @@ def adjacent_rows(*arrays) -> bool | None:
     """True when every array (None: absent) has adjacent elements along its last axis, else None: the
     ``adjacent`` argument of kernels that use ``rows_if``."""
     for a in arrays:
-        if a is not None and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+        if a is not None and a.strides[-1] != a.itemsize and a.shape[-1] > 1:  # the shape only on a mismatch
             return None
     return True
 

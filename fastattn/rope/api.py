@@ -131,7 +131,7 @@ def _as_4d(a: np.ndarray) -> np.ndarray | None:
 def _rotate(x: np.ndarray, out: np.ndarray, cs: np.ndarray, pairing: _args.Pairing) -> None:
     """out = the rotation of x (..., N, H, D) by the table cs (out may be x) (leading axes that do not merge: one
     call per leading index, no copy)."""
-    x4, out4 = _as_4d(x), _as_4d(out)
+    x4, out4 = (x[None], out[None]) if x.ndim == 3 else (_as_4d(x), _as_4d(out))
     if x4 is None or out4 is None:
         for index in np.ndindex(*x.shape[:-4]):
             _rotate(x[index], out[index], cs, pairing)

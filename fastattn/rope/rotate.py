@@ -220,10 +220,11 @@ TOKEN_BLOCK = 2  # the H rows adjacent too (contiguous x, Q or K of a fused QKV 
 
 def token_layout(a: np.ndarray, b: np.ndarray) -> int:
     """The layout the (H, D) rows of ``a`` and ``b`` (..., H, D) share, from their last two strides."""
-    item_a, item_b = a.itemsize, b.itemsize
-    if a.strides[-1] != item_a or b.strides[-1] != item_b:
+    strides_a, item_a = a.strides, a.itemsize  # each ``strides`` read builds a tuple: read once
+    strides_b, item_b = (strides_a, item_a) if b is a else (b.strides, b.itemsize)
+    if strides_a[-1] != item_a or strides_b[-1] != item_b:
         return ROWS_STRIDED
-    if a.strides[-2] == a.shape[-1] * item_a and b.strides[-2] == b.shape[-1] * item_b:
+    if strides_a[-2] == a.shape[-1] * item_a and strides_b[-2] == b.shape[-1] * item_b:
         return TOKEN_BLOCK
     return ROWS_UNIT
 
