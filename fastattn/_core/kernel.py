@@ -437,7 +437,7 @@ def call_any_layout(dispatcher, strided, *args, unit=None):
     arrays (scratch the caller allocates) stay C-contiguous so that loops over them vectorise.
 
     Without a unit the call goes through Numba's own dispatcher (its C fast path: a fraction of a microsecond),
-    which ``_compile_any_layout`` teaches, at each new combination of argument types, to run the any-layout
+    which ``_any_layout_dispatch`` teaches, at each new combination of argument types, to run the any-layout
     specialisation. ``unit`` = (kernel, shared, extra): ``dispatcher`` is a driver whose first parameter is the
     handle of its work unit (``call_unit``), and the unit takes the driver's arguments at the positions ``shared``
     (of ``args``) followed by arguments of the types ``extra``; the handle is prepended to ``args``, and the
