@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 import fastattn  # noqa: E402
 from fastattn.integrations import transformers as fa_hf  # noqa: E402
+from hf_models import left_padded_batch, random_model  # noqa: E402
 
 RELATIVE = 2e-5
 VOCAB = 96
@@ -56,24 +57,11 @@ def _registered():
 
 
 def _model(name: str):
-    torch.manual_seed(0)
-    config = _configs()[name]()
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
-                                                          dtype=torch.float32).eval()
-    if name == "gpt_oss":  # sinks start at zero: make them matter
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.sinks.normal_(0.0, 1.0)
-    return model
+    return random_model(_configs()[name]())
 
 
 def _batch():
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, VOCAB, (2, PROMPT), generator=generator)
-    mask = torch.ones_like(ids)
-    mask[0, :5] = 0  # left padding on the first sequence
-    ids[0, :5] = 0
-    return ids, mask
+    return left_padded_batch(VOCAB, PROMPT)
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
